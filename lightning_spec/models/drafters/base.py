@@ -1,0 +1,170 @@
+"""The one interface every drafter offers to training and to the decoder.
+
+Training and inference must run the same code (ARCHITECTURE.md), so a drafter has a single
+incremental `step` over explicit positions and an optional boolean mask; teacher-forced
+`forward` is `step` on a fresh state. Logits come in the drafter's own vocabulary; `to_target`
+maps log-probs onto the target's vocabulary for verification.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class DrafterOutput:
+    logits: Tensor  # [B, T, V_draft]
+    hidden: Tensor  # [B, T, H] the drafter's own pre-norm hidden state (EAGLE feeds it back)
+
+
+class Drafter(nn.Module):
+    """Base class: subclasses implement `new_state`, `step`, `state_length`, `truncate_state`."""
+
+    drafter_type: ClassVar[str] = "base"
+    #: True when `step` needs target features for committed tokens (EAGLE-style heads).
+    needs_features: ClassVar[bool] = False
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = dict(config)
+
+    # --- the incremental interface -------------------------------------------------------
+    def new_state(self, batch_size: int = 1) -> Any:
+        raise NotImplementedError
+
+    def state_length(self, state: Any) -> int:
+        raise NotImplementedError
+
+    def truncate_state(self, state: Any, length: int) -> None:
+        raise NotImplementedError
+
+    def keep_state_entries(self, state: Any, drop_last: int, keep: Tensor | list[int]) -> None:
+        """Drop the last `drop_last` positions except the offsets in `keep` (see models.cache)."""
+        raise NotImplementedError
+
+    def step(
+        self,
+        state: Any,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        *,
+        features: Tensor | None = None,
+        hidden: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> DrafterOutput:
+        """Append `input_ids` [B, T] at `position_ids` [B, T] to `state` and return their logits.
+
+        `mask` is bool [B|1, T, past + T] (True = attend); None means causal over the new
+        tokens and full attention to the past. EAGLE drafters take either the target's fused
+        `features` [B, T, F] or their own `hidden` [B, T, H] for the token before each input.
+        """
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        features: Tensor | None = None,
+        *,
+        hidden: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> DrafterOutput:
+        """Teacher-forced pass over whole sequences: `step` on a fresh state."""
+        batch, length = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(batch, -1)
+        state = self.new_state(batch)
+        return self.step(
+            state, input_ids, position_ids, features=features, hidden=hidden, mask=mask
+        )
+
+    # --- vocabulary ----------------------------------------------------------------------
+    @property
+    def target_vocab_size(self) -> int:
+        return int(self.config["target_vocab_size"])
+
+    def to_target(self, logprobs: Tensor) -> Tensor:
+        """Draft-vocabulary log-probs [..., V_draft] -> target vocabulary [..., V] (-inf off-vocab)."""
+        return logprobs
+
+    def target_to_draft_ids(self, target_ids: Tensor) -> Tensor:
+        """Target ids -> draft ids (-1 where the token is outside the draft vocabulary)."""
+        return target_ids
+
+    # --- persistence ---------------------------------------------------------------------
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """config.json + model.safetensors, written atomically (temp names, then rename)."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = {"drafter_type": self.drafter_type, **self.export_config()}
+        tmp_config = folder / f".{CONFIG_NAME}.tmp"
+        tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.export_state_dict().items()}
+        tmp_weights = folder / f".{WEIGHTS_NAME}.tmp"
+        save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+        tmp_weights.replace(folder / WEIGHTS_NAME)
+        tmp_config.replace(folder / CONFIG_NAME)
+        return folder
+
+    def export_config(self) -> dict[str, Any]:
+        return dict(self.config)
+
+    def export_state_dict(self) -> dict[str, Tensor]:
+        return self.state_dict()
+
+    @classmethod
+    def from_config_dict(cls, config: dict[str, Any]) -> Drafter:
+        return cls(config)
+
+    def load_exported_state_dict(self, tensors: dict[str, Tensor]) -> None:
+        self.load_state_dict(tensors)
+
+
+DRAFTER_TYPES: dict[str, type[Drafter]] = {}
+
+
+def register_drafter(cls: type[Drafter]) -> type[Drafter]:
+    """Record a drafter class under its `drafter_type` so folders reload without guessing."""
+    DRAFTER_TYPES[cls.drafter_type] = cls
+    return cls
+
+
+def load_drafter(folder: str | Path, *, device: str | torch.device = "cpu") -> Drafter:
+    """Load any drafter folder written by `save_pretrained`."""
+    from safetensors.torch import load_file
+
+    # Import the implementations so they register themselves.
+    from lightning_spec.models.drafters import eagle3, standalone  # noqa: F401
+
+    folder = Path(folder)
+    config_path = folder / CONFIG_NAME
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} is not a drafter folder: {CONFIG_NAME} is missing")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from error
+    drafter_type = config.get("drafter_type")
+    if drafter_type is None and "LlamaForCausalLMEagle3" in config.get("architectures", []):
+        drafter_type = "eagle3"
+    if drafter_type not in DRAFTER_TYPES:
+        raise ValueError(
+            f"{config_path}: unknown drafter_type {drafter_type!r}; known: {sorted(DRAFTER_TYPES)}"
+        )
+    weights = folder / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{folder}: {WEIGHTS_NAME} is missing")
+    drafter = DRAFTER_TYPES[drafter_type].from_config_dict(config)
+    drafter.load_exported_state_dict(load_file(str(weights)))
+    return drafter.to(device).eval()

@@ -1,0 +1,261 @@
+"""EAGLE-3 drafter: fused target features + one decoder layer + a reduced draft vocabulary.
+
+The target's hidden states of a low, a middle and a high layer are concatenated and mapped by a
+bias-free `fc` to the hidden size. The single decoder layer (`midlayer`) reads
+concat(norm(embedding(token)), norm(feature)); its output hidden state is fed back as the
+feature of the next draft step (training-time test at training, tree expansion at decoding).
+Parameter names and config keys follow the convention SGLang and vLLM load
+(`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, `eagle_aux_hidden_state_layer_ids`).
+Paper: EAGLE-3 (Li et al., 2025).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_spec.models.drafters.base import Drafter, DrafterOutput, register_drafter
+from lightning_spec.models.drafters.layers import CachedAttention, GatedMLP, RMSNorm
+from lightning_spec.models.vocab import build_draft_vocab, draft_to_target_ids
+
+
+@dataclass
+class KVState:
+    """A single-layer drafter cache: plain tensors, sliced to roll back."""
+
+    keys: Tensor | None = None  # [B, H_kv, L, D]
+    values: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 decoder layer: attention over 2H inputs, residual on the feature stream."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        hidden = int(config["hidden_size"])
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.self_attn = CachedAttention(
+            input_size=2 * hidden,
+            output_size=hidden,
+            num_heads=int(config["num_attention_heads"]),
+            num_kv_heads=int(config["num_key_value_heads"]),
+            head_dim=int(config["head_dim"]),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = GatedMLP(hidden, int(config["intermediate_size"]))
+
+    def forward(
+        self, embeds: Tensor, hidden: Tensor, position_ids: Tensor, state: KVState, mask: Tensor | None
+    ) -> Tensor:
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attended, state.keys, state.values = self.self_attn(
+            x, position_ids, state.keys, state.values, mask
+        )
+        hidden = residual + attended
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+@register_drafter
+class Eagle3Drafter(Drafter):
+    """EAGLE-3 head over a target; see the module docstring."""
+
+    drafter_type = "eagle3"
+    needs_features = True
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        config = dict(config)
+        hidden = int(config["hidden_size"])
+        config.setdefault("head_dim", hidden // int(config["num_attention_heads"]))
+        config.setdefault("target_hidden_size", hidden)
+        config.setdefault("draft_vocab_size", config["target_vocab_size"])
+        config.setdefault("target_layer_ids", [2, 2, 2])
+        super().__init__(config)
+        vocab = int(config["target_vocab_size"])
+        draft_vocab = int(config["draft_vocab_size"])
+        num_features = len(config["target_layer_ids"])
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.embed_tokens.weight.requires_grad_(False)  # shared with the target, frozen
+        self.fc = nn.Linear(num_features * int(config["target_hidden_size"]), hidden, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
+        self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool) if draft_vocab == vocab
+                             else torch.zeros(vocab, dtype=torch.bool))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_target(
+        cls,
+        target: Any,
+        *,
+        draft_vocab_size: int | None = None,
+        token_counts: Tensor | None = None,
+        intermediate_size: int | None = None,
+        num_attention_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        seed: int = 0,
+    ) -> Eagle3Drafter:
+        """A fresh head sized like `target` (a TargetModel); embeddings copied from it.
+
+        With `token_counts` the draft vocabulary keeps the most frequent ids (EOS always); the
+        LM head starts from the target's own output rows for those ids, which gives an untrained
+        head a sensible vocabulary prior.
+        """
+        text_config = target.model.config
+        text_config = text_config.get_text_config() if hasattr(text_config, "get_text_config") else text_config
+        vocab = target.vocab_size
+        draft_vocab = int(draft_vocab_size or vocab)
+        heads = int(num_attention_heads or text_config.num_attention_heads)
+        hidden = target.hidden_size
+        config = {
+            "hidden_size": hidden,
+            "intermediate_size": int(intermediate_size or text_config.intermediate_size),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(num_key_value_heads or text_config.num_key_value_heads),
+            "head_dim": int(getattr(text_config, "head_dim", None) or hidden // heads),
+            "rms_norm_eps": float(getattr(text_config, "rms_norm_eps", 1e-6)),
+            "rope_theta": float(_rope_theta(text_config)),
+            "target_hidden_size": hidden,
+            "target_vocab_size": vocab,
+            "draft_vocab_size": draft_vocab,
+            "target_layer_ids": list(target.feature_layers),
+            "target_model": target.name,
+            "max_position_embeddings": int(getattr(text_config, "max_position_embeddings", 4096)),
+        }
+        torch.manual_seed(seed)
+        drafter = cls(config)
+        with torch.no_grad():
+            drafter.embed_tokens.weight.copy_(target.input_embeddings().weight.float())
+            if draft_vocab < vocab:
+                counts = token_counts if token_counts is not None else torch.zeros(vocab)
+                d2t, t2d = build_draft_vocab(counts, draft_vocab, target.eos_token_ids)
+                drafter.d2t.copy_(d2t)
+                drafter.t2d.copy_(t2d)
+            head = target.model.get_output_embeddings()
+            if head is not None:
+                rows = draft_to_target_ids(drafter.d2t)
+                drafter.lm_head.weight.copy_(head.weight[rows].float())
+        return drafter.to(target.dtype)
+
+    # ------------------------------------------------------------------ state
+    def new_state(self, batch_size: int = 1) -> KVState:
+        return KVState()
+
+    def state_length(self, state: KVState) -> int:
+        return state.length
+
+    def truncate_state(self, state: KVState, length: int) -> None:
+        if state.keys is not None:
+            state.keys = state.keys[:, :, :length]
+            state.values = state.values[:, :, :length]
+
+    def keep_state_entries(self, state: KVState, drop_last: int, keep: Tensor | list[int]) -> None:
+        if state.keys is None or drop_last <= 0:
+            return
+        start = state.length - drop_last
+        index = torch.cat(
+            [torch.arange(start), start + torch.as_tensor(keep, dtype=torch.long)]
+        ).to(state.keys.device)
+        state.keys = state.keys.index_select(2, index)
+        state.values = state.values.index_select(2, index)
+
+    # ------------------------------------------------------------------ compute
+    def step(
+        self,
+        state: KVState,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        *,
+        features: Tensor | None = None,
+        hidden: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> DrafterOutput:
+        if (features is None) == (hidden is None):
+            raise ValueError("Eagle3Drafter.step needs exactly one of `features` or `hidden`")
+        if features is not None:
+            expected = self.fc.in_features
+            if features.shape[-1] != expected:
+                raise ValueError(
+                    f"features have width {features.shape[-1]}, this drafter expects {expected} "
+                    f"(target layers {self.config['target_layer_ids']}): wrong target?"
+                )
+            hidden = self.fc(features.to(self.fc.weight.dtype))
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        out_hidden = self.midlayer(embeds, hidden, position_ids, state, mask)
+        logits = self.lm_head(self.norm(out_hidden))
+        return DrafterOutput(logits=logits, hidden=out_hidden)
+
+    # ------------------------------------------------------------------ vocabulary
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.config["draft_vocab_size"])
+
+    def to_target(self, logprobs: Tensor) -> Tensor:
+        if self.draft_vocab_size == self.target_vocab_size:
+            return logprobs
+        out = logprobs.new_full((*logprobs.shape[:-1], self.target_vocab_size), float("-inf"))
+        out[..., draft_to_target_ids(self.d2t)] = logprobs
+        return out
+
+    def target_to_draft_ids(self, target_ids: Tensor) -> Tensor:
+        if self.draft_vocab_size == self.target_vocab_size:
+            return target_ids
+        lookup = torch.full((self.target_vocab_size,), -1, dtype=torch.long, device=target_ids.device)
+        lookup[draft_to_target_ids(self.d2t)] = torch.arange(self.draft_vocab_size, device=target_ids.device)
+        return lookup[target_ids]
+
+    # ------------------------------------------------------------------ persistence
+    def export_config(self) -> dict[str, Any]:
+        """Our config plus the keys SGLang/vLLM read from an EAGLE-3 folder."""
+        config = dict(self.config)
+        config.update(
+            {
+                "architectures": ["LlamaForCausalLMEagle3"],
+                "model_type": "llama",
+                "vocab_size": self.target_vocab_size,
+                "num_hidden_layers": 1,
+                "hidden_act": "silu",
+                "tie_word_embeddings": False,
+                "eagle_config": {
+                    "eagle_aux_hidden_state_layer_ids": list(self.config["target_layer_ids"]),
+                    "use_aux_hidden_state": True,
+                },
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config_dict(cls, config: dict[str, Any]) -> Eagle3Drafter:
+        config = dict(config)
+        config.setdefault("target_vocab_size", config.get("vocab_size"))
+        eagle = config.get("eagle_config") or {}
+        if "target_layer_ids" not in config and "eagle_aux_hidden_state_layer_ids" in eagle:
+            config["target_layer_ids"] = eagle["eagle_aux_hidden_state_layer_ids"]
+        keep = {
+            "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "rope_theta", "target_hidden_size", "target_vocab_size",
+            "draft_vocab_size", "target_layer_ids", "target_model", "max_position_embeddings",
+            "training",
+        }
+        return cls({k: v for k, v in config.items() if k in keep})
+
+
+def _rope_theta(config: Any) -> float:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        params = getattr(config, "rope_parameters", None) or {}
+        if isinstance(params, dict):
+            theta = params.get("rope_theta") or (params.get("full_attention") or {}).get("rope_theta")
+    return float(theta or 10000.0)

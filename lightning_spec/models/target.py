@@ -1,0 +1,259 @@
+"""The frozen target LLM, seen the way drafters and the decoder need it.
+
+One forward returns logits, the fused hidden-state features an EAGLE-3 drafter reads (a low, a
+middle and a high layer, concatenated), the last hidden state (Hydra heads read it) and the KV
+cache. Tree verification needs explicit position ids and a 4D mask over cache + new tokens, so
+both are first-class arguments. The model never has gradients: drafters train against it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from lightning_spec.models.cache import cache_kwarg, cache_length
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Accept 'bf16', 'float32', torch.float16, ... and return a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3 feature layers {2, L//2, L-3}, as indices into HF `hidden_states` (0 = embeddings).
+
+    This is the convention SGLang and vLLM write into EAGLE-3 checkpoints; tiny models get the
+    ids clamped into range and de-duplicated so a 2-layer test model still works.
+    """
+    ids = [2, num_layers // 2, num_layers - 3]
+    ids = [min(max(i, 1), num_layers) for i in ids]
+    return ids
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward yields."""
+
+    logits: Tensor  # [B, T, V]
+    features: Tensor | None  # [B, T, len(feature_layers) * H] fused EAGLE-3 features
+    last_hidden: Tensor  # [B, T, H] final (normed) hidden state
+    cache: object | None  # transformers Cache holding past + these tokens
+
+
+def tree_mask_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool mask [B|1, q, k] (True = attend) -> additive float mask [B|1, 1, q, k].
+
+    A bool 4D mask is right for sdpa but wrong for eager attention (STACK.md); the additive
+    float form is read correctly by every attention implementation.
+    """
+    if mask.dim() == 2:
+        mask = mask.unsqueeze(0)
+    if mask.dtype != torch.bool:
+        raise TypeError("tree masks are boolean (True = may attend)")
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    additive.masked_fill_(~mask, torch.finfo(dtype).min)
+    return additive.unsqueeze(1)
+
+
+class TargetModel(nn.Module):
+    """A frozen Hugging Face causal LM plus the feature taps drafters are trained on."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        feature_layers: Sequence[int] | None = None,
+        tokenizer: object | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.model = model.eval()
+        for parameter in self.model.parameters():
+            parameter.requires_grad_(False)
+        config = model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_layers: int = int(text_config.num_hidden_layers)
+        self.hidden_size: int = int(text_config.hidden_size)
+        self.vocab_size: int = int(text_config.vocab_size)
+        layers = list(feature_layers) if feature_layers else default_feature_layers(self.num_layers)
+        for layer in layers:
+            if not 0 <= layer <= self.num_layers:
+                raise ValueError(
+                    f"feature layer {layer} out of range for a {self.num_layers}-layer target "
+                    "(indices count HF hidden_states: 0 = embeddings)"
+                )
+        self.feature_layers: list[int] = layers
+        self.tokenizer = tokenizer
+        self.name = name or getattr(config, "_name_or_path", "") or type(model).__name__
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        gguf_file: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        feature_layers: Sequence[int] | None = None,
+        attn_implementation: str = "sdpa",
+        load_tokenizer: bool = True,
+    ) -> TargetModel:
+        """Load a hub id, a local folder or a GGUF file (`.../model.gguf`).
+
+        `"smollm2"` / `"default"` name the embedded default target, fetched into the asset
+        cache on first use.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        source = str(path)
+        if source in {"smollm2", "default"}:
+            from lightning_spec.data.assets import default_target_path
+
+            source = str(default_target_path())
+        if source.endswith(".gguf") and gguf_file is None:
+            gguf_path = Path(source)
+            if not gguf_path.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+            source, gguf_file = str(gguf_path.parent), gguf_path.name
+        kwargs: dict[str, object] = {"dtype": resolve_dtype(dtype)}
+        if gguf_file:
+            kwargs["gguf_file"] = gguf_file
+        if Path(source).exists() and not (Path(source) / "config.json").exists() and not gguf_file:
+            raise FileNotFoundError(f"{source} has no config.json: not a Hugging Face model folder")
+        model = AutoModelForCausalLM.from_pretrained(
+            source, attn_implementation=attn_implementation, **kwargs
+        )
+        tokenizer = None
+        if load_tokenizer:
+            tok_kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+            tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+        return cls(model, feature_layers=feature_layers, tokenizer=tokenizer, name=str(path))
+
+    @classmethod
+    def from_config(
+        cls,
+        config: object,
+        *,
+        seed: int = 0,
+        dtype: str | torch.dtype = "float32",
+        feature_layers: Sequence[int] | None = None,
+        attn_implementation: str = "sdpa",
+    ) -> TargetModel:
+        """A randomly initialised target from a config built in code (tests, device checks)."""
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=resolve_dtype(dtype)
+        )
+        return cls(model, feature_layers=feature_layers, name=f"random-{config.model_type}")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.feature_layers) * self.hidden_size
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        """Every id that ends a turn: generation config, model config and tokenizer."""
+        ids: set[int] = set()
+        sources = [getattr(self.model, "generation_config", None), self.model.config, self.tokenizer]
+        for source in sources:
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is None:
+                continue
+            ids.update([value] if isinstance(value, int) else list(value))
+        return ids
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def new_cache(self) -> object:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def train(self, mode: bool = True) -> TargetModel:
+        # Frozen: Lightning calls .train() on the whole module tree; dropout must stay off.
+        return super().train(False)
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        cache: object | None = None,
+        use_cache: bool = True,
+        output_features: bool = True,
+        logits_to_keep: int = 0,
+    ) -> TargetOutput:
+        """Run the target on `input_ids` [B, T] after whatever `cache` holds.
+
+        `attention_mask` is the usual 2D padding mask over cache + new tokens; `tree_mask` is a
+        bool [B|1, T, past + T] mask (True = attend) for tree verification, which also needs
+        explicit `position_ids`. Without them positions continue after the cache.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        past = cache_length(cache)
+        if position_ids is None and attention_mask is None:
+            position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
+            position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
+        mask = attention_mask
+        if tree_mask is not None:
+            if attention_mask is not None:
+                raise ValueError("pass either attention_mask or tree_mask, not both")
+            expected = past + input_ids.shape[1]
+            if tree_mask.shape[-1] != expected or tree_mask.shape[-2] != input_ids.shape[1]:
+                raise ValueError(
+                    f"tree_mask must be [B, {input_ids.shape[1]}, {expected}], "
+                    f"got {tuple(tree_mask.shape)}"
+                )
+            mask = tree_mask_to_additive(tree_mask.to(input_ids.device), self.dtype)
+        if use_cache and cache is None:
+            cache = self.new_cache()
+        outputs = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            use_cache=use_cache,
+            output_hidden_states=True,
+            logits_to_keep=logits_to_keep,
+            **(cache_kwarg(self.model, cache) if use_cache else {}),
+        )
+        hidden_states = outputs.hidden_states
+        features = None
+        if output_features:
+            features = torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)
+        return TargetOutput(
+            logits=outputs.logits,
+            features=features,
+            last_hidden=hidden_states[-1],
+            cache=cache if use_cache else None,
+        )
