@@ -1,0 +1,96 @@
+"""The `lightning-spec` command: LightningCLI for training, thin subcommands for the rest.
+
+`fit`, `validate` and `test` are LightningCLI subcommands (configs use `class_path`/`init_args`,
+`${...}` interpolation resolved per file by OmegaConf at load time: a later command-line override
+does not flow into values interpolated from it). Tasks that are not Trainer-shaped (assets,
+bench, export, promote, online, calibrate) live in a small dispatcher in front of LightningCLI,
+each in its own module, imported only when called so `lightning-spec --help` answers fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module with `main(argv) -> int`, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "assets": ("lightning_spec.data.assets", "fetch and cache the default target and datasets"),
+    "bench": ("lightning_spec.bench", "measure tau and speedup against baselines, side by side"),
+    "calibrate": (
+        "lightning_spec.calibrate",
+        "measure verification cost and suggest the fastest tree policy",
+    ),
+    "export": ("lightning_spec.export.cli", "export a drafter to ONNX (and TensorRT engines)"),
+    "promote": ("lightning_spec.registry_cli", "register a drafter and move the champion alias"),
+    "online": ("lightning_spec.online_cli", "serve prompts while updating the drafter online"),
+}
+LIGHTNING_SUBCOMMANDS = {
+    "fit": "train a drafter (LightningCLI; --config configs/quickstart.yaml)",
+    "validate": "run validation (acceptance evaluation) on a checkpoint",
+    "test": "run the test loop",
+}
+
+
+def _usage() -> str:
+    lines = ["usage: lightning-spec <command> [options]", "", "commands:"]
+    for name, text in LIGHTNING_SUBCOMMANDS.items():
+        lines.append(f"  {name:<10} {text}")
+    for name, (module, text) in SUBCOMMANDS.items():
+        if _available(module):
+            lines.append(f"  {name:<10} {text}")
+    lines += ["", "Run `lightning-spec <command> --help` for the options of one command."]
+    return "\n".join(lines)
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> object:
+    """Build the LightningCLI (tests call it with run=False to instantiate configs)."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    return LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        parser_kwargs={"parser_mode": "omegaconf"},
+        save_config_kwargs={"overwrite": True},
+        args=list(args) if args is not None else None,
+        run=run,
+        auto_configure_optimizers=False,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from_command_line = argv is None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help", "help"}:
+        print(_usage())
+        return 0
+    if argv[0] in {"-V", "--version"}:
+        from lightning_spec import __version__
+
+        print(f"lightning-spec {__version__}")
+        return 0
+    command = argv[0]
+    if command in SUBCOMMANDS:
+        module_name = SUBCOMMANDS[command][0]
+        if not _available(module_name):
+            print(f"lightning-spec: `{command}` is not available in this version", file=sys.stderr)
+            return 2
+        module = importlib.import_module(module_name)
+        return int(module.main(argv[1:]) or 0)
+    if command in LIGHTNING_SUBCOMMANDS:
+        # From the shell, LightningCLI reads sys.argv itself (passing both makes it warn).
+        lightning_cli(None if from_command_line else argv)
+        return 0
+    print(f"lightning-spec: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
