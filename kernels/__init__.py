@@ -1,0 +1,35 @@
+"""Triton kernels for tree speculative decoding, each beside the PyTorch reference it must match.
+
+* ``tree_attention``: N draft-tree queries over a KV cache plus the tree under its ancestor
+  mask (``ancestor_mask`` builds that mask from parent indices).
+* ``tree_verify`` / ``tree_verify_batched``: greedy acceptance of the longest draft path.
+
+Every wrapper falls back to its reference when Triton is missing or cannot run on the tensors'
+device (CPU without ``TRITON_INTERPRET=1`` set before import), so importing this package never
+fails for want of Triton; ``TRITON_AVAILABLE`` says which case holds. This package imports
+nothing else from lightning_spec, so it can be copied or benchmarked on its own.
+"""
+
+from .tree_attention import (
+    TRITON_AVAILABLE,
+    ancestor_mask,
+    tree_attention,
+    tree_attention_reference,
+)
+from .tree_verify import (
+    tree_verify,
+    tree_verify_batched,
+    tree_verify_batched_reference,
+    tree_verify_reference,
+)
+
+__all__ = [
+    "TRITON_AVAILABLE",
+    "ancestor_mask",
+    "tree_attention",
+    "tree_attention_reference",
+    "tree_verify",
+    "tree_verify_batched",
+    "tree_verify_batched_reference",
+    "tree_verify_reference",
+]
