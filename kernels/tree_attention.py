@@ -144,6 +144,18 @@ def _check_inputs(
 if TRITON_AVAILABLE:
 
     @triton.jit
+    def _dot(a, b, DOT_FP32: tl.constexpr):
+        """``a @ b`` with an fp32 accumulator; DOT_FP32 multiplies in true fp32 as well.
+
+        DOT_FP32 serves two cases: the interpreter, whose bf16 dot is wrong, and fp32 inputs on
+        a GPU, where the default TF32 would keep only 10 mantissa bits of q and k.
+        """
+        if DOT_FP32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a.to(b.dtype), b)
+
+    @triton.jit
     def _online_softmax_step(scores, values, m_i, l_i, acc, DOT_FP32: tl.constexpr):
         """Fold one block of (log2-scaled, already masked) scores into the running softmax.
 
@@ -155,10 +167,7 @@ if TRITON_AVAILABLE:
         alpha = tl.exp2(m_i - m_safe)
         probs = tl.exp2(scores - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(probs, axis=1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(probs, values.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values)
+        acc = acc * alpha[:, None] + _dot(probs, values, DOT_FP32)  # probs cast to v's dtype
         return m_new, l_i, acc
 
     @triton.jit
@@ -244,8 +253,6 @@ if TRITON_AVAILABLE:
             + offs_d[None, :] * stride_qd
         )
         q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-        if DOT_FP32:  # the interpreter's bf16 dot is wrong, and fp32 inputs deserve fp32 maths
-            q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -270,9 +277,7 @@ if TRITON_AVAILABLE:
                 mask=kv_mask,
                 other=0.0,
             )
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+            scores = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
             scores = tl.where(n_valid[None, :], scores, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, DOT_FP32)
 
@@ -300,9 +305,7 @@ if TRITON_AVAILABLE:
                 mask=row_valid[:, None] & t_valid[None, :],
                 other=0,
             )
-            if DOT_FP32:
-                k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * qk_scale_log2
+            scores = _dot(q, tl.trans(k), DOT_FP32) * qk_scale_log2
             scores = tl.where(allowed != 0, scores, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(scores, v, m_i, l_i, acc, DOT_FP32)
 
