@@ -270,8 +270,10 @@ def iter_json_values(
                         cut = (
                             exc.msg.startswith("Unterminated string") or not buf[exc.pos :].strip()
                         )
-                        what = "file truncated inside a record" if cut else "invalid JSON"
-                        stop(f"{what} ({exc.msg})")
+                        if cut:
+                            stop("the file ends inside a record (truncated)")
+                        else:
+                            stop(f"invalid JSON ({exc.msg} at byte {byte_offset(exc.pos)})")
                     else:
                         stop(f"unparseable value longer than {max_value_chars} chars: {exc.msg}")
                     return
@@ -300,7 +302,6 @@ def _warn_once(path: Path, message: str) -> None:
     if key in _WARNED:
         return
     _WARNED.add(key)
-    log.warning(message)
     warnings.warn(message, DataWarning, stacklevel=3)
 
 
