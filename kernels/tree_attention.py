@@ -121,9 +121,13 @@ def _check_inputs(
     for name, (tensor, shape) in expected.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
-    for name, tensor in (("k_cache", k_cache), *((n, t) for n, (t, _) in expected.items())):
+    kv = {"k_cache": k_cache, "v_cache": v_cache, "k_tree": k_tree, "v_tree": v_tree}
+    for name, tensor in kv.items():
         if tensor.dtype != q.dtype:
             raise ValueError(f"{name} has dtype {tensor.dtype}, q has {q.dtype}")
+    for name, tensor in {**kv, "tree_mask": tree_mask}.items():
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device}, q on {q.device}")
     if not q.dtype.is_floating_point:
         raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
     if tree_mask.dtype != torch.bool:
@@ -235,8 +239,9 @@ if TRITON_AVAILABLE:
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         pid_s = tl.program_id(2)
-        batch = pid_bh // num_kv_heads
-        kv_head = pid_bh % num_kv_heads
+        # int64 base offsets: a long cache in a big preallocated buffer passes 2**31 elements.
+        batch = (pid_bh // num_kv_heads).to(tl.int64)
+        kv_head = (pid_bh % num_kv_heads).to(tl.int64)
 
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_valid = rows < GROUP * num_nodes
@@ -465,9 +470,12 @@ def tree_attention(
         default_n = min(128, max(16, _next_pow2(max(cache_len, num_nodes))))
     else:
         # 64 x 64 tiles with D <= 128 keep q, k, v and the accumulator in registers with 4 warps
-        # on Ampere and Hopper; smaller trees shrink the row tile rather than pad it.
+        # on Ampere and Hopper; smaller trees shrink the row tile rather than pad it. Wider
+        # elements (fp32) or heads (D = 256) halve the key tile so two pipeline stages of K and
+        # V still fit in shared memory on GPUs with ~100 KB of it.
         default_m = min(64, max(16, _next_pow2(rows_per_kv_head)))
-        default_n = 64 if block_d <= 128 else 32
+        default_n = 64 if block_d * q.element_size() <= 256 else 32
+    num_warps = 8 if block_d >= 256 else 4
     block_m = block_m or default_m
     block_n = block_n or default_n
     for name, value in (("block_m", block_m), ("block_n", block_n)):
@@ -542,7 +550,7 @@ def tree_attention(
         BLOCK_D=block_d,
         SPLIT=split,
         DOT_FP32=interpreted or q.dtype == torch.float32,
-        num_warps=4,
+        num_warps=num_warps,
         num_stages=2,
     )
     if split:
