@@ -277,8 +277,11 @@ def iter_json_values(
                     else:
                         stop(f"unparseable value longer than {max_value_chars} chars: {exc.msg}")
                     return
-                # A number or literal cut at the buffer edge parses "fine" but short.
-                if end == len(buf) and not eof and fill():
+                # A value ending at the buffer edge may continue, and a number cut anywhere in
+                # its exponent ("2.5e" + "3") parses "fine" but short: look further ahead.
+                is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+                near_edge = len(buf) - end < (32 if is_number else 1)
+                if near_edge and not eof and fill():
                     continue
                 break
             pos = end
