@@ -352,6 +352,14 @@ class _FileSource:
 
     def _finish(self, stats: SourceStats) -> None:
         self._len = stats.conversations
+        log.info(
+            "%s: %d conversations (%d turns) from %d records; %d skipped",
+            self.path.name,
+            stats.conversations,
+            stats.turns,
+            stats.records,
+            stats.malformed,
+        )
         if stats.conversations == 0:
             reasons = ", ".join(f"{k}={v}" for k, v in stats.skipped.most_common()) or "none"
             where = (
