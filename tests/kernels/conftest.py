@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -56,3 +59,78 @@ def _reload_if_compiled_for_gpu() -> None:
 
 _import_kernels()
 _reload_if_compiled_for_gpu()
+
+
+_COMPILE_SCRIPT = """
+import importlib, importlib.util, json, sys
+spec = json.loads(sys.argv[1])
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+except ImportError as error:
+    print(f"this triton has no ahead-of-time compile API: {error}")
+    sys.exit(3)
+try:
+    module = importlib.import_module(spec["module"])
+except ImportError:
+    folder = spec["kernels_dir"]
+    package = importlib.util.spec_from_file_location(
+        "kernels_for_compile", folder + "/__init__.py", submodule_search_locations=[folder]
+    )
+    loaded = importlib.util.module_from_spec(package)
+    sys.modules[package.name] = loaded
+    package.loader.exec_module(loaded)
+    module = importlib.import_module(package.name + "." + spec["module"].rsplit(".", 1)[1])
+kernel = getattr(module, spec["kernel"])
+signature = {
+    name: "constexpr" if name in spec["constexprs"] else spec["signature"].get(name, "i32")
+    for name in kernel.arg_names
+}
+source = ASTSource(kernel, signature, constexprs=spec["constexprs"])
+target = GPUTarget("cuda", spec["capability"], 32)
+compiled = triton.compile(source, target=target, options=spec["options"])
+print("shared memory bytes:", compiled.metadata.shared)
+"""
+
+
+@pytest.fixture
+def compile_for_gpu():
+    """Compile a kernel for an NVIDIA GPU without one: frontend, lowering and ptxas.
+
+    The interpreter skips the type checks, layouts and register/shared-memory limits of a real
+    build, so code that interprets fine can still fail to compile; this catches that on CPU.
+    It runs in a subprocess without TRITON_INTERPRET, which this session has set.
+    """
+
+    def run(
+        module: str,
+        kernel: str,
+        signature: dict[str, str],
+        constexprs: dict[str, object],
+        capability: int = 90,
+        **options: object,
+    ) -> str:
+        spec = {
+            "module": module,
+            "kernel": kernel,
+            "signature": signature,
+            "constexprs": constexprs,
+            "capability": capability,
+            "options": options,
+            "kernels_dir": str(Path(__file__).resolve().parents[2] / "kernels"),
+        }
+        env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+        result = subprocess.run(
+            [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
+        if result.returncode == 3:
+            pytest.skip(result.stdout.strip())
+        assert result.returncode == 0, result.stderr[-4000:]
+        return result.stdout
+
+    return run

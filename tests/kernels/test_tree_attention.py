@@ -374,3 +374,22 @@ def test_bench_script_runs_its_cpu_check_from_outside_the_repository(tmp_path: P
     )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "False" not in check.stdout
+
+
+@requires_triton
+@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
+def test_kernels_compile_for_hopper(compile_for_gpu, split: bool) -> None:
+    """bf16, D = 128, default GPU tiles: the build the benchmark runs on an H100/H200."""
+    name = "lightning_spec.kernels.tree_attention"
+    signature = {arg: "*bf16" for arg in ("Q", "K_CACHE", "V_CACHE", "K_TREE", "V_TREE")}
+    signature |= {"MASK": "*u8", "OUT": "*fp32" if split else "*bf16"}
+    signature |= {"STAT_M": "*fp32", "STAT_L": "*fp32", "qk_scale_log2": "fp32"}
+    constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
+    constexprs |= dict(SPLIT=split, DOT_FP32=False)
+    compile_for_gpu(
+        name, "_tree_attention_kernel", signature, constexprs, num_warps=4, num_stages=2
+    )
+    if split:
+        signature = {"PART_OUT": "*fp32", "STAT_M": "*fp32", "STAT_L": "*fp32", "OUT": "*bf16"}
+        constexprs = dict(HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128)
+        compile_for_gpu(name, "_combine_splits_kernel", signature, constexprs, num_warps=4)

@@ -238,3 +238,17 @@ def test_cpu_tensors_without_interpreter_fall_back(monkeypatch: pytest.MonkeyPat
     if TRITON_AVAILABLE:
         with pytest.raises(RuntimeError, match="cannot run"):
             tree_verify_batched(*args, use_triton=True)
+
+
+@requires_triton
+@pytest.mark.parametrize(("block_n", "num_warps"), [(16, 1), (1024, 4)])
+def test_kernel_compiles_for_hopper(compile_for_gpu, block_n: int, num_warps: int) -> None:
+    """The interpreter does not lower tl.gather; a real sm_90 build does."""
+    pointers = ("TOKENS", "PARENTS", "TARGET", "ACCEPT_LENGTH", "PATH", "BONUS")
+    compile_for_gpu(
+        "lightning_spec.kernels.tree_verify",
+        "_tree_verify_kernel",
+        {name: "*i64" for name in pointers},
+        {"BLOCK_N": block_n, "NUM_JUMPS": block_n.bit_length() - 1},
+        num_warps=num_warps,
+    )
