@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.tree import DraftTree
+from lightning_spec.decoding.verify import draw_uniforms, inverse_cdf_sample
 
 __all__ = [
     "STATIC_TREES",
@@ -121,10 +122,11 @@ class ChainPolicy:
         tokens: list[Tensor] = []
         logprobs: list[Tensor] = []
         rows: list[Tensor] = [log_q.exp()] if keep_draft_probs else []
-        tree = DraftTree.empty(device=device)
+        # the generator may live on another device than the drafter: draw on its own device
+        uniforms = draw_uniforms(self.k, generator) if sampling else []
         for step in range(self.k):
             if sampling:
-                token = torch.multinomial(log_q.exp(), 1, generator=generator)[0]
+                token = torch.tensor(inverse_cdf_sample(log_q.exp(), uniforms[step]), device=device)
             else:
                 token = log_q.argmax()
             tokens.append(token)

@@ -107,21 +107,21 @@ class DraftTree:
     def ancestor_mask(self) -> Tensor:
         """Bool [N, N]: node i attends to node j iff j is i or an ancestor of i.
 
-        Built by repeated boolean squaring of (identity + parent edges), so it needs only
-        ceil(log2 N) small matmuls and no host synchronisation.
+        Built by pointer jumping: after step k each row holds the ancestors closer than 2**k, so
+        ceil(log2 N) gathers suffice, with no host synchronisation and no matmul (tiny
+        multi-threaded matmuls stall on busy CPUs).
         """
         if self._mask is None:
             n = self.num_nodes
             device = self.parents.device
-            reach = torch.eye(n, device=device)
-            if n > 0:
-                has_parent = self.parents >= 0
-                rows = torch.arange(n, device=device)
-                cols = torch.where(has_parent, self.parents, rows)
-                reach = reach.index_put((rows, cols), torch.ones(n, device=device))
-                for _ in range(max(1, math.ceil(math.log2(n)))):
-                    reach = (reach @ reach).clamp_(max=1.0)
-            self._mask = reach > 0
+            mask = torch.eye(n, dtype=torch.bool, device=device)
+            jump = self.parents  # the 2**k-th ancestor of each node, -1 past the root
+            for _ in range(math.ceil(math.log2(n)) if n > 1 else 0):
+                has_jump = jump >= 0
+                target = jump.clamp(min=0)
+                mask = mask | (mask[target] & has_jump.unsqueeze(1))
+                jump = torch.where(has_jump, jump[target], jump)
+            self._mask = mask
         return self._mask
 
     @property

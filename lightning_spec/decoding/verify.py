@@ -28,7 +28,13 @@ from torch import Tensor
 
 from lightning_spec.decoding.tree import DraftTree
 
-__all__ = ["Verification", "verify_greedy", "verify_sample"]
+__all__ = [
+    "Verification",
+    "draw_uniforms",
+    "inverse_cdf_sample",
+    "verify_greedy",
+    "verify_sample",
+]
 
 
 @dataclass(eq=False)
@@ -79,13 +85,14 @@ def verify_greedy(tree: DraftTree, target_logits: Tensor) -> Verification:
 
 
 # -------------------------------------------------------------------------------------- sampling
-def _uniforms(count: int, generator: torch.Generator | None) -> list[float]:
-    """`count` U[0, 1) draws from `generator` on its own device, as Python floats."""
+def draw_uniforms(count: int, generator: torch.Generator | None) -> list[float]:
+    """`count` U[0, 1) draws from `generator` on its own device, as Python floats (so a CPU
+    generator can drive sampling of tensors on any device)."""
     device = generator.device if generator is not None else torch.device("cpu")
     return torch.rand(count, generator=generator, device=device).tolist()
 
 
-def _sample(probs: Tensor, uniform: float, fallback: Tensor | None = None) -> int:
+def inverse_cdf_sample(probs: Tensor, uniform: float, fallback: Tensor | None = None) -> int:
     """Inverse-CDF draw from non-negative, unnormalised `probs` [V] with one uniform.
 
     With u < 1 the search lands on a token of positive mass; it runs off the end (index V) only
@@ -97,7 +104,7 @@ def _sample(probs: Tensor, uniform: float, fallback: Tensor | None = None) -> in
         return index
     if fallback is None:
         raise ValueError("verify_sample: a target row has no probability mass")
-    return _sample(fallback, uniform)
+    return inverse_cdf_sample(fallback, uniform)
 
 
 def _eagle_accept_probability(p_child: float, remaining_mass: float) -> float:
@@ -149,7 +156,7 @@ def verify_sample(
         )
     children = _children_lists(tree.parents.tolist())
     tokens = tree.tokens.tolist()
-    uniforms = _uniforms(n + 1, generator)  # one per node, the last for the final draw
+    uniforms = draw_uniforms(n + 1, generator)  # one per node, the last for the final draw
     # Target (and draft) mass of every node's token under its parent's row: one gather each.
     p_nodes: list[float] = []
     q_nodes: list[float] = []
@@ -165,7 +172,7 @@ def verify_sample(
         kids = children[row]
         p_row = target_probs[row]
         if not kids:  # a leaf (or an empty tree): bonus from the node's own target row
-            bonus = _sample(p_row, uniforms[n])
+            bonus = inverse_cdf_sample(p_row, uniforms[n])
             break
         if tree.iid_children:
             assert tree.draft_probs is not None
@@ -175,7 +182,7 @@ def verify_sample(
         else:
             chosen, residual = _eagle_siblings(kids, tokens, p_nodes, uniforms, p_row)
         if chosen < 0:  # every child rejected: the correction comes from the residual
-            bonus = _sample(residual, uniforms[n], fallback=p_row)
+            bonus = inverse_cdf_sample(residual, uniforms[n], fallback=p_row)
             break
         accepted.append(chosen)
         row = chosen + 1

@@ -257,3 +257,26 @@ class TargetModel(nn.Module):
             last_hidden=hidden_states[-1],
             cache=cache if use_cache else None,
         )
+
+
+_LOADED: dict[tuple, TargetModel] = {}
+
+
+def load_target(
+    path: str | Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    feature_layers: Sequence[int] | None = None,
+    attn_implementation: str = "sdpa",
+) -> TargetModel:
+    """`TargetModel.from_pretrained`, shared within the process.
+
+    The objective, the data module (regeneration) and callbacks all need the same frozen
+    target; loading it once keeps memory and start-up time down.
+    """
+    key = (str(path), str(resolve_dtype(dtype)), tuple(feature_layers or ()), attn_implementation)
+    if key not in _LOADED:
+        _LOADED[key] = TargetModel.from_pretrained(
+            path, dtype=dtype, feature_layers=feature_layers, attn_implementation=attn_implementation
+        )
+    return _LOADED[key]

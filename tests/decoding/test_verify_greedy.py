@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
 
+from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.decoding.verify import verify_greedy
 
@@ -132,3 +134,59 @@ def test_random_trees_match_naive_enumeration() -> None:
         assert result.bonus_token == bonus
         depths_seen.add(len(accepted))
     assert {0, 1, 2, 3} <= depths_seen  # the sweep really exercises deep acceptances
+
+
+# ------------------------------------------------------------------------ end to end with policies
+VOCAB = 6
+
+
+def toy_logits(tag: str, context: tuple[int, ...]) -> torch.Tensor:
+    seed = zlib.crc32(repr((tag, context[-3:])).encode())  # a 3-gram model: contexts recur
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+class ContextProposer:
+    """A drafter that is the target plus context-dependent noise."""
+
+    def __init__(self, context: tuple[int, ...]) -> None:
+        self.context = context
+
+    def logprobs(self, context: tuple[int, ...]) -> torch.Tensor:
+        noisy = toy_logits("target", context) + 1.5 * toy_logits("noise", context)
+        return torch.log_softmax(noisy, dim=-1)
+
+    def root(self) -> torch.Tensor:
+        return self.logprobs(self.context)
+
+    def expand(self, tree: DraftTree, nodes: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [
+                self.logprobs(self.context + tuple(tree.tokens[tree.path_to(n)].tolist()))
+                for n in nodes.tolist()
+            ]
+        )
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "static:small", "dynamic:3,3,10", "dynamic:4,2,6"])
+def test_speculative_greedy_decode_equals_target_greedy_decode(spec: str) -> None:
+    policy = parse_tree_spec(spec)
+    prompt, length = (1, 2), 40
+    reference = list(prompt)
+    while len(reference) < length:
+        reference.append(int(toy_logits("target", tuple(reference)).argmax()))
+    sequence = list(prompt)
+    steps = 0
+    accepted_total = 0
+    while len(sequence) < length:
+        context = tuple(sequence)
+        tree = policy.build(ContextProposer(context))
+        rows = [toy_logits("target", context)] + [
+            toy_logits("target", context + tuple(tree.tokens[tree.path_to(n)].tolist()))
+            for n in range(tree.num_nodes)
+        ]
+        result = verify_greedy(tree, torch.stack(rows))
+        sequence += result.committed_tokens(tree)
+        accepted_total += result.accept_length
+        steps += 1
+    assert sequence[:length] == reference
+    assert accepted_total > 0 and steps < length - len(prompt)  # drafts did get accepted

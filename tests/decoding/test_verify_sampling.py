@@ -304,10 +304,12 @@ def test_unnormalised_rows_and_empty_tree() -> None:
 
 def test_sample_helper_falls_back_and_refuses_empty_rows() -> None:
     fallback = torch.tensor([0.0, 0.0, 1.0])
-    assert verify._sample(torch.zeros(3), 0.5, fallback=fallback) == 2
-    assert verify._sample(torch.tensor([0.0, 1.0, 0.0]), 0.999999, fallback=fallback) == 1
+    assert verify.inverse_cdf_sample(torch.zeros(3), 0.5, fallback=fallback) == 2
+    assert (
+        verify.inverse_cdf_sample(torch.tensor([0.0, 1.0, 0.0]), 0.999999, fallback=fallback) == 1
+    )
     with pytest.raises(ValueError, match="no probability mass"):
-        verify._sample(torch.zeros(3), 0.5)
+        verify.inverse_cdf_sample(torch.zeros(3), 0.5)
 
 
 def test_iid_tree_needs_draft_probs() -> None:
