@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding import verify
+from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.decoding.verify import verify_sample
 
@@ -328,3 +329,44 @@ def test_seeded_generator_reproduces() -> None:
         runs.append([verify_sample(tree, target, generator=generator) for _ in range(30)])
     for a, b in zip(*runs, strict=True):
         assert a.accepted.tolist() == b.accepted.tolist() and a.bonus_token == b.bonus_token
+
+
+# ------------------------------------------------------------------ policies end to end at T > 0
+class ToyProposer:
+    """The toy drafter q behind the tree policies' `Proposer` interface, at the empty context."""
+
+    def __init__(self, models: ToyModels) -> None:
+        self.models = models
+
+    def root(self) -> Tensor:
+        return self.models.q(()).log()
+
+    def expand(self, tree: DraftTree, nodes: Tensor) -> Tensor:
+        paths = [tuple(tree.tokens[tree.path_to(node)].tolist()) for node in nodes.tolist()]
+        return torch.stack([self.models.q(path).log() for path in paths])
+
+
+@pytest.mark.parametrize(("spec", "draws"), [("chain:2", 2_000), ("static:tiny", 4_000)])
+def test_policy_trees_verify_losslessly(spec: str, draws: int) -> None:
+    """Trees exactly as the policies build them at T > 0 (sampled chains keep q rows, top-k
+    trees do not need them) commit a first token distributed as the target's."""
+    models = ToyModels(seed=0, mix=0.5)
+    policy = parse_tree_spec(spec)
+    proposer = ToyProposer(models)
+    generator = torch.Generator().manual_seed(10)
+    counts = torch.zeros(VOCAB)
+    tree, target = None, None
+    for _ in range(draws):
+        if tree is None or tree.iid_children:  # top-k trees are the same at every draw
+            tree = policy.build(
+                proposer, temperature=1.0, generator=generator, keep_draft_probs=True
+            )
+            rows = [models.p(())] + [
+                models.p(tuple(tree.tokens[tree.path_to(node)].tolist()))
+                for node in range(tree.num_nodes)
+            ]
+            target = torch.stack(rows)
+        result = verify_sample(tree, target, generator=generator)
+        counts[result.committed_tokens(tree)[0]] += 1
+    statistic, dof = chi_square(counts, models.p(()))
+    assert statistic < chi_square_threshold(dof), statistic
