@@ -1,9 +1,11 @@
 """Kernel tests run the real Triton code: on a GPU natively, on CPU through Triton's interpreter.
 
-``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a kernel, so it has to be set
-before ``lightning_spec.kernels`` is first imported; pytest imports this file before the test
-modules beside it. If something imported the kernels earlier in the session without the
-interpreter, they are reloaded so the Triton path is really exercised.
+``TRITON_INTERPRET`` is read when ``@triton.jit`` decorates a function, and Triton's own
+library functions (``tl.zeros``...) are decorated when ``triton`` is first imported: the
+variable has to be set before anything in the session imports triton. This file sets it, which
+is early enough when ``tests/kernels`` runs alone; in a full run an earlier test module may
+import triton first (``import lightning`` does), and then the Triton tests here skip with that
+reason unless ``tests/conftest.py`` or the environment sets ``TRITON_INTERPRET=1`` on CPU hosts.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
@@ -44,26 +47,12 @@ def _import_kernels() -> None:
     lightning_spec.kernels = module
 
 
-def _reload_if_compiled_for_gpu() -> None:
-    """Reload kernel modules that an earlier import built without the interpreter."""
-    names = ["lightning_spec.kernels.tree_attention", "lightning_spec.kernels.tree_verify"]
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    stale = [name for name in names if sys.modules.get(name) is not None]
-    stale = [name for name in stale if not sys.modules[name]._kernels_interpreted()]
-    if stale and sys.modules[names[0]].TRITON_AVAILABLE:
-        for name in stale:
-            importlib.reload(sys.modules[name])
-        importlib.reload(sys.modules["lightning_spec.kernels"])
-
-
 _import_kernels()
-_reload_if_compiled_for_gpu()
 
 
 _COMPILE_SCRIPT = """
 import importlib, importlib.util, json, sys
-spec = json.loads(sys.argv[1])
+request = json.loads(sys.argv[1])
 try:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -72,57 +61,50 @@ except ImportError as error:
     print(f"this triton has no ahead-of-time compile API: {error}")
     sys.exit(3)
 try:
-    module = importlib.import_module(spec["module"])
+    module = importlib.import_module(request["module"])
 except ImportError:
-    folder = spec["kernels_dir"]
+    folder = request["kernels_dir"]
     package = importlib.util.spec_from_file_location(
         "kernels_for_compile", folder + "/__init__.py", submodule_search_locations=[folder]
     )
     loaded = importlib.util.module_from_spec(package)
     sys.modules[package.name] = loaded
     package.loader.exec_module(loaded)
-    module = importlib.import_module(package.name + "." + spec["module"].rsplit(".", 1)[1])
-kernel = getattr(module, spec["kernel"])
-signature = {
-    name: "constexpr" if name in spec["constexprs"] else spec["signature"].get(name, "i32")
-    for name in kernel.arg_names
-}
-source = ASTSource(kernel, signature, constexprs=spec["constexprs"])
-target = GPUTarget("cuda", spec["capability"], 32)
-compiled = triton.compile(source, target=target, options=spec["options"])
-print("shared memory bytes:", compiled.metadata.shared)
+    module = importlib.import_module(package.name + "." + request["module"].rsplit(".", 1)[1])
+target = GPUTarget("cuda", request["capability"], 32)
+for build in request["builds"]:
+    kernel = getattr(module, build["kernel"])
+    signature = {
+        name: "constexpr" if name in build["constexprs"] else build["signature"].get(name, "i32")
+        for name in kernel.arg_names
+    }
+    source = ASTSource(kernel, signature, constexprs=build["constexprs"])
+    compiled = triton.compile(source, target=target, options=build["options"])
+    print(build["kernel"], "shared memory bytes:", compiled.metadata.shared)
 """
 
 
 @pytest.fixture
 def compile_for_gpu():
-    """Compile a kernel for an NVIDIA GPU without one: frontend, lowering and ptxas.
+    """Compile kernels for an NVIDIA GPU without one: frontend, lowering and ptxas.
 
     The interpreter skips the type checks, layouts and register/shared-memory limits of a real
     build, so code that interprets fine can still fail to compile; this catches that on CPU.
-    It runs in a subprocess without TRITON_INTERPRET, which this session has set.
+    The builds share one subprocess, started without the TRITON_INTERPRET this session sets.
+    Each build is a dict: ``kernel`` (its name in ``module``), ``signature`` (types of pointer
+    and float arguments; the rest default to i32), ``constexprs`` and ``options`` (num_warps...).
     """
 
-    def run(
-        module: str,
-        kernel: str,
-        signature: dict[str, str],
-        constexprs: dict[str, object],
-        capability: int = 90,
-        **options: object,
-    ) -> str:
-        spec = {
+    def run(module: str, builds: list[dict[str, Any]], capability: int = 90) -> str:
+        request = {
             "module": module,
-            "kernel": kernel,
-            "signature": signature,
-            "constexprs": constexprs,
+            "builds": builds,
             "capability": capability,
-            "options": options,
             "kernels_dir": str(Path(__file__).resolve().parents[2] / "kernels"),
         }
         env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
         result = subprocess.run(
-            [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(spec)],
+            [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(request)],
             capture_output=True,
             text=True,
             timeout=600,

@@ -28,8 +28,19 @@ from lightning_spec.kernels.tree_attention import (
 # The package re-exports the function under the module's name: fetch the module itself.
 tree_attention_module = importlib.import_module("lightning_spec.kernels.tree_attention")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-requires_triton = pytest.mark.skipif(
-    not TRITON_AVAILABLE, reason="triton is not importable: only the PyTorch reference is tested"
+if not TRITON_AVAILABLE:
+    TRITON_SKIP_REASON = "triton is not importable: only the PyTorch reference is tested"
+elif DEVICE.type == "cpu" and not tree_attention_module._kernels_interpreted():
+    TRITON_SKIP_REASON = (
+        "triton was imported before TRITON_INTERPRET=1 was set (see tests/kernels/conftest.py), "
+        "so its kernels cannot run on CPU in this session"
+    )
+else:
+    TRITON_SKIP_REASON = ""
+requires_triton = pytest.mark.skipif(bool(TRITON_SKIP_REASON), reason=TRITON_SKIP_REASON)
+# Compiling for a GPU happens in a subprocess: it only needs triton installed.
+requires_triton_installed = pytest.mark.skipif(
+    not TRITON_AVAILABLE, reason="triton is not importable"
 )
 skip_without_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
@@ -164,7 +175,7 @@ def test_inputs_are_checked() -> None:
         tree_attention(q, k_cache, v_cache, k_tree, v_tree, mask[:3, :3])
     with pytest.raises(ValueError, match="dtype"):
         tree_attention(q, k_cache.half(), v_cache, k_tree, v_tree, mask)
-    if TRITON_AVAILABLE:
+    if not TRITON_SKIP_REASON:
         as_double = [t.double() for t in (q, k_cache, v_cache, k_tree, v_tree)]
         with pytest.raises(RuntimeError, match="float64"):
             tree_attention(*as_double, mask, use_triton=True)
@@ -376,20 +387,29 @@ def test_bench_script_runs_its_cpu_check_from_outside_the_repository(tmp_path: P
     assert "False" not in check.stdout
 
 
-@requires_triton
-@pytest.mark.parametrize("split", [False, True], ids=["direct", "split"])
-def test_kernels_compile_for_hopper(compile_for_gpu, split: bool) -> None:
-    """bf16, D = 128, default GPU tiles: the build the benchmark runs on an H100/H200."""
-    name = "lightning_spec.kernels.tree_attention"
-    signature = {arg: "*bf16" for arg in ("Q", "K_CACHE", "V_CACHE", "K_TREE", "V_TREE")}
-    signature |= {"MASK": "*u8", "OUT": "*fp32" if split else "*bf16"}
-    signature |= {"STAT_M": "*fp32", "STAT_L": "*fp32", "qk_scale_log2": "fp32"}
-    constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128)
-    constexprs |= dict(SPLIT=split, DOT_FP32=False)
-    compile_for_gpu(
-        name, "_tree_attention_kernel", signature, constexprs, num_warps=4, num_stages=2
+@requires_triton_installed
+def test_kernels_compile_for_hopper(compile_for_gpu) -> None:
+    """bf16, D = 128, default GPU tiles: the builds the benchmark runs on an H100/H200."""
+    inputs = {arg: "*bf16" for arg in ("Q", "K_CACHE", "V_CACHE", "K_TREE", "V_TREE")}
+    stats = {"STAT_M": "*fp32", "STAT_L": "*fp32"}
+    tiles = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, DOT_FP32=False)
+    launch = dict(num_warps=4, num_stages=2)
+    builds = [
+        {
+            "kernel": "_tree_attention_kernel",
+            "signature": {**inputs, **stats, "MASK": "*u8", "OUT": out, "qk_scale_log2": "fp32"},
+            "constexprs": {**tiles, "SPLIT": split},
+            "options": launch,
+        }
+        for out, split in (("*bf16", False), ("*fp32", True))
+    ]
+    builds.append(
+        {
+            "kernel": "_combine_splits_kernel",
+            "signature": {**stats, "PART_OUT": "*fp32", "OUT": "*bf16"},
+            "constexprs": dict(HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128),
+            "options": dict(num_warps=4),
+        }
     )
-    if split:
-        signature = {"PART_OUT": "*fp32", "STAT_M": "*fp32", "STAT_L": "*fp32", "OUT": "*bf16"}
-        constexprs = dict(HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128)
-        compile_for_gpu(name, "_combine_splits_kernel", signature, constexprs, num_warps=4)
+    output = compile_for_gpu("lightning_spec.kernels.tree_attention", builds)
+    assert output.count("shared memory bytes") == 3
