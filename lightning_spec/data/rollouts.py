@@ -1,0 +1,745 @@
+"""Training records and the shard store that keeps them on disk.
+
+A *record* is one training sequence: ``{"id", "input_ids", "loss_mask", "source", "meta"}``,
+where ``source`` says where the assistant tokens came from (``"dataset"``: the dataset's own
+answer, ``"regenerated"``: the target's answer to the dataset prompt, ``"rollout"``: an
+on-policy decode with the current drafter). On-policy records also carry ``steps``: serialized
+:class:`~lightning_spec.decoding.engine.StepRecord` s, the raw material of GTO, Draft-OPD and
+OnlineSpec. The format is plain JSON so that a serving-engine adapter (SGLang, vLLM) can write
+the same records for large targets without anything else changing (ARCHITECTURE.md, Scale).
+
+A :class:`RolloutStore` is a directory of shards (N records each; JSONL, gzipped JSONL or
+safetensors) plus ``manifest.json``: shard names, record and token counts, byte sizes, sha256
+sums and the configuration (target, tokenizer, source, max_length, generation settings) whose
+hash owns the directory. Every shard is written to a temporary file, fsynced and renamed, and
+the manifest is rewritten the same way after each shard, under a file lock so that DDP ranks
+can share one store. A shard only counts once the manifest lists it: a job killed mid-write
+leaves at most an unlisted file that the next writer replaces, so resuming never duplicates a
+record. Readers verify every shard's checksum and refuse a store made under another config.
+
+Optional feature shards cache the target's fused EAGLE-3 features (fp16 ``[T, F]`` per record)
+for the token shards, up to a byte cap (features are ~3.4 KB per token for SmolLM2, so an
+unbounded cache would not fit a CI disk; beyond the cap, features are computed online).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_spec.data.assets import atomic_write, atomic_write_json, sha256_file
+
+if TYPE_CHECKING:
+    from lightning_spec.decoding.engine import Generation, StepRecord
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_FORMATS = ("jsonl", "jsonl.gz", "safetensors")
+SOURCES = ("dataset", "regenerated", "rollout")
+_SHARD_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+)-r(?P<rank>\d+)-(?P<seq>\d+)\.")
+
+
+class StoreError(RuntimeError):
+    """A rollout store cannot be used (corrupt shard, unreadable manifest)."""
+
+
+class ConfigMismatchError(StoreError):
+    """The store on disk was produced under another configuration."""
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutRecord:
+    """One training sequence; ``loss_mask[t] = 1`` marks an assistant token to be predicted."""
+
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    source: str = "dataset"
+    meta: dict[str, Any] = field(default_factory=dict)
+    steps: list[dict[str, Any]] | None = None
+    """Serialized StepRecords (:func:`step_record_to_dict`), on-policy records only."""
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError(
+                f"record {self.id!r}: {len(self.input_ids)} input ids but "
+                f"{len(self.loss_mask)} loss-mask entries"
+            )
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "input_ids": [int(t) for t in self.input_ids],
+            "loss_mask": [int(m) for m in self.loss_mask],
+            "source": self.source,
+            "meta": self.meta,
+        }
+        if self.steps is not None:
+            out["steps"] = self.steps
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RolloutRecord:
+        try:
+            return cls(
+                id=str(data["id"]),
+                input_ids=list(data["input_ids"]),
+                loss_mask=list(data["loss_mask"]),
+                source=str(data.get("source", "dataset")),
+                meta=dict(data.get("meta") or {}),
+                steps=data.get("steps"),
+            )
+        except KeyError as exc:
+            raise ValueError(f"a rollout record needs the key {exc.args[0]!r}") from None
+
+    def truncated(self, max_length: int | None) -> RolloutRecord:
+        """The first ``max_length`` tokens (the beginning is kept, as for the dataset)."""
+        if max_length is None or len(self) <= max_length:
+            return self
+        return RolloutRecord(
+            self.id,
+            self.input_ids[:max_length],
+            self.loss_mask[:max_length],
+            self.source,
+            self.meta,
+            self.steps,
+        )
+
+    def step_records(self) -> list[StepRecord]:
+        """Deserialize ``steps`` into engine StepRecords (empty for non-rollout records)."""
+        return [step_record_from_dict(s) for s in self.steps or []]
+
+
+# --------------------------------------------------------------------------------------------
+# StepRecord <-> dict
+# --------------------------------------------------------------------------------------------
+
+
+def _tensor_to_list(value: Tensor | None) -> list | None:
+    return None if value is None else value.detach().cpu().tolist()
+
+
+def step_record_to_dict(record: StepRecord, *, include_probs: bool = False) -> dict[str, Any]:
+    """A JSON-ready dict of one verification step (tensors become lists).
+
+    The ``[N + 1, V]`` draft/target distribution rows are skipped unless ``include_probs``:
+    they are V floats per node (49k for SmolLM2), far bigger than the rest of the record.
+    """
+    tree = record.tree
+    tree_dict: dict[str, Any] = {
+        "tokens": _tensor_to_list(tree.tokens),
+        "parents": _tensor_to_list(tree.parents),
+        "logprobs": _tensor_to_list(tree.logprobs.float()),
+        "iid_children": bool(tree.iid_children),
+    }
+    out: dict[str, Any] = {
+        "version": FORMAT_VERSION,
+        "anchor": int(record.anchor),
+        "tree": tree_dict,
+        "target_token_logprobs": _tensor_to_list(record.target_token_logprobs.float()),
+        "target_argmax": _tensor_to_list(record.target_argmax),
+        "accepted": _tensor_to_list(record.accepted),
+        "committed": [int(t) for t in record.committed],
+        "temperature": float(record.temperature),
+        "timings": {k: float(v) for k, v in record.timings.items()},
+    }
+    if include_probs:
+        if tree.draft_probs is not None:
+            tree_dict["draft_probs"] = _tensor_to_list(tree.draft_probs.float())
+        if record.target_probs is not None:
+            out["target_probs"] = _tensor_to_list(record.target_probs.float())
+    return out
+
+
+def step_record_from_dict(data: Mapping[str, Any]) -> StepRecord:
+    """Inverse of :func:`step_record_to_dict` (tensors on the CPU)."""
+    from lightning_spec.decoding.engine import StepRecord
+    from lightning_spec.decoding.tree import DraftTree
+
+    version = int(data.get("version", FORMAT_VERSION))
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"step record format {version} is newer than this reader ({FORMAT_VERSION})"
+        )
+    tree_data = data["tree"]
+    draft_probs = tree_data.get("draft_probs")
+    tree = DraftTree(
+        tokens=torch.tensor(tree_data["tokens"], dtype=torch.long),
+        parents=torch.tensor(tree_data["parents"], dtype=torch.long),
+        logprobs=torch.tensor(tree_data["logprobs"], dtype=torch.float32),
+        draft_probs=None if draft_probs is None else torch.tensor(draft_probs, dtype=torch.float32),
+        iid_children=bool(tree_data.get("iid_children", False)),
+    )
+    target_probs = data.get("target_probs")
+    return StepRecord(
+        anchor=int(data["anchor"]),
+        tree=tree,
+        target_token_logprobs=torch.tensor(data["target_token_logprobs"], dtype=torch.float32),
+        target_argmax=torch.tensor(data["target_argmax"], dtype=torch.long),
+        accepted=torch.tensor(data["accepted"], dtype=torch.long),
+        committed=[int(t) for t in data["committed"]],
+        temperature=float(data.get("temperature", 0.0)),
+        target_probs=None if target_probs is None else torch.tensor(target_probs),
+        timings=dict(data.get("timings", {})),
+    )
+
+
+def record_from_generation(
+    record_id: str,
+    generation: Generation,
+    *,
+    meta: Mapping[str, Any] | None = None,
+    include_probs: bool = False,
+) -> RolloutRecord:
+    """An on-policy record from one ``SpeculativeDecoder.generate`` call: the prompt (no loss)
+    then the generated tokens (loss), with every verification step attached."""
+    prompt, tokens = list(generation.prompt), list(generation.tokens)
+    return RolloutRecord(
+        id=record_id,
+        input_ids=prompt + tokens,
+        loss_mask=[0] * len(prompt) + [1] * len(tokens),
+        source="rollout",
+        meta={**(meta or {}), "prompt_tokens": len(prompt), "tau": generation.tau},
+        steps=[step_record_to_dict(r, include_probs=include_probs) for r in generation.records],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Config hashing
+# --------------------------------------------------------------------------------------------
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """Stable 16-hex-digit hash of a JSON-able config (key order does not matter)."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+    """What identifies a tokenizer for caching: its name, size, specials and chat template."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    return {
+        "name": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+        "size": len(tokenizer),
+        "eos": getattr(tokenizer, "eos_token", None),
+        "pad": getattr(tokenizer, "pad_token", None),
+        "bos": getattr(tokenizer, "bos_token", None),
+        "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()[:16],
+    }
+
+
+def _diff_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [k for k in keys if config_hash({"v": old.get(k)}) != config_hash({"v": new.get(k)})]
+
+
+# --------------------------------------------------------------------------------------------
+# Shard encoding
+# --------------------------------------------------------------------------------------------
+
+
+def _shard_format(name: str) -> str:
+    for fmt in sorted(SHARD_FORMATS, key=len, reverse=True):
+        if name.endswith("." + fmt):
+            return fmt
+    raise StoreError(f"{name}: unknown shard format (expected one of {SHARD_FORMATS})")
+
+
+def _encode_jsonl(records: Sequence[RolloutRecord]) -> bytes:
+    lines = [json.dumps(r.to_dict(), separators=(",", ":")) for r in records]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _encode_safetensors(records: Sequence[RolloutRecord]) -> bytes:
+    from safetensors.torch import save
+
+    lengths = [len(r) for r in records]
+    offsets = torch.zeros(len(records) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    ids = [t for r in records for t in r.input_ids]
+    mask = [m for r in records for m in r.loss_mask]
+    tensors = {
+        "input_ids": torch.tensor(ids, dtype=torch.int64),
+        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
+        "offsets": offsets,
+    }
+    headers = [
+        {"id": r.id, "source": r.source, "meta": r.meta}
+        | ({"steps": r.steps} if r.steps is not None else {})
+        for r in records
+    ]
+    return save(tensors, metadata={"records": json.dumps(headers, separators=(",", ":"))})
+
+
+def encode_shard(records: Sequence[RolloutRecord], fmt: str) -> bytes:
+    """Serialize records in one of :data:`SHARD_FORMATS` (gzip output is byte-reproducible)."""
+    if fmt == "jsonl":
+        return _encode_jsonl(records)
+    if fmt == "jsonl.gz":
+        buffer = io.BytesIO()
+        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as fh:
+            fh.write(_encode_jsonl(records))
+        return buffer.getvalue()
+    if fmt == "safetensors":
+        return _encode_safetensors(records)
+    raise ValueError(f"unknown shard format {fmt!r}; choose one of {SHARD_FORMATS}")
+
+
+def decode_shard(data: bytes, fmt: str) -> list[RolloutRecord]:
+    """Inverse of :func:`encode_shard`."""
+    if fmt == "jsonl.gz":
+        data, fmt = gzip.decompress(data), "jsonl"
+    if fmt == "jsonl":
+        return [
+            RolloutRecord.from_dict(json.loads(line)) for line in data.splitlines() if line.strip()
+        ]
+    if fmt == "safetensors":
+        from safetensors.torch import load
+
+        tensors = load(data)
+        header = json.loads(_safetensors_metadata(data).get("records", "[]"))
+        offsets = tensors["offsets"].tolist()
+        ids, mask = tensors["input_ids"].tolist(), tensors["loss_mask"].tolist()
+        return [
+            RolloutRecord(
+                id=str(h["id"]),
+                input_ids=ids[offsets[i] : offsets[i + 1]],
+                loss_mask=mask[offsets[i] : offsets[i + 1]],
+                source=str(h.get("source", "dataset")),
+                meta=dict(h.get("meta") or {}),
+                steps=h.get("steps"),
+            )
+            for i, h in enumerate(header)
+        ]
+    raise ValueError(f"unknown shard format {fmt!r}; choose one of {SHARD_FORMATS}")
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors blob (8-byte little-endian header size, JSON)."""
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+
+
+# --------------------------------------------------------------------------------------------
+# The store
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One manifest entry."""
+
+    name: str
+    records: int
+    tokens: int
+    loss_tokens: int
+    bytes: int
+    sha256: str
+    rank: int = 0
+
+    @property
+    def format(self) -> str:
+        return _shard_format(self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "records": self.records,
+            "tokens": self.tokens,
+            "loss_tokens": self.loss_tokens,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "rank": self.rank,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ShardInfo:
+        return cls(
+            name=str(data["name"]),
+            records=int(data["records"]),
+            tokens=int(data.get("tokens", 0)),
+            loss_tokens=int(data.get("loss_tokens", 0)),
+            bytes=int(data["bytes"]),
+            sha256=str(data["sha256"]),
+            rank=int(data.get("rank", 0)),
+        )
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class RolloutStore:
+    """A directory of record shards owned by one configuration (see the module docstring).
+
+    Opening a directory whose manifest carries another config hash raises
+    :class:`ConfigMismatchError`; an absent manifest is created (claiming the directory).
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        config: Mapping[str, Any],
+        *,
+        shard_format: str = "jsonl",
+        prefix: str = "shard",
+    ) -> None:
+        if shard_format not in SHARD_FORMATS:
+            raise ValueError(
+                f"unknown shard format {shard_format!r}; choose one of {SHARD_FORMATS}"
+            )
+        if not re.fullmatch(r"[A-Za-z0-9_]+", prefix):
+            raise ValueError(f"shard prefix {prefix!r} must be alphanumeric/underscore")
+        self.directory = Path(directory).expanduser().resolve()
+        self.config = json.loads(json.dumps(dict(config), sort_keys=True, default=str))
+        self.config_hash = config_hash(self.config)
+        self.shard_format = shard_format
+        self.prefix = prefix
+        self.directory.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            manifest = self._read_manifest()
+            if manifest is None:
+                atomic_write_json(self.directory / MANIFEST, self._new_manifest())
+            else:
+                self._check_config(manifest)
+
+    # ------------------------------------------------------------------ manifest
+    def _new_manifest(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "config_hash": self.config_hash,
+            "config": self.config,
+            "created": _now(),
+            "updated": _now(),
+            "shards": [],
+            "complete": {},
+        }
+
+    def _read_manifest(self) -> dict[str, Any] | None:
+        path = self.directory / MANIFEST
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise StoreError(
+                f"{path} is unreadable ({exc}); delete {self.directory} or use another cache dir"
+            ) from exc
+        if not isinstance(data, dict) or not isinstance(data.get("shards"), list):
+            raise StoreError(
+                f"{path} is not a rollout manifest; delete {self.directory} or use another cache dir"
+            )
+        return data
+
+    def _check_config(self, manifest: Mapping[str, Any]) -> None:
+        if int(manifest.get("format_version", 0)) > FORMAT_VERSION:
+            raise StoreError(
+                f"{self.directory} was written by a newer lightning-spec (format "
+                f"{manifest.get('format_version')}); delete it or use another cache dir"
+            )
+        found = manifest.get("config_hash")
+        if found != self.config_hash:
+            differs = _diff_keys(manifest.get("config") or {}, self.config)
+            raise ConfigMismatchError(
+                f"{self.directory} holds rollouts made under another configuration (config hash "
+                f"{found}, requested {self.config_hash}; differs in: "
+                f"{', '.join(differs) or 'unknown'}). Delete {self.directory} or use another "
+                "cache dir."
+            )
+
+    def manifest(self) -> dict[str, Any]:
+        """The manifest as it is on disk now (other ranks may have added shards)."""
+        manifest = self._read_manifest()
+        if manifest is None:
+            raise StoreError(f"{self.directory / MANIFEST} disappeared while in use")
+        self._check_config(manifest)
+        return manifest
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Exclusive lock for read-modify-write of the manifest (fcntl; best effort elsewhere)."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - non-POSIX
+            yield
+            return
+        with open(self.directory / ".lock", "a+") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+    def _update(self, change: Any) -> dict[str, Any]:
+        """Apply ``change(manifest)`` under the lock and rewrite the manifest atomically."""
+        with self._locked():
+            manifest = self.manifest()
+            change(manifest)
+            manifest["updated"] = _now()
+            atomic_write_json(self.directory / MANIFEST, manifest)
+            return manifest
+
+    # ------------------------------------------------------------------ shards
+    def shards(self) -> list[ShardInfo]:
+        return [ShardInfo.from_dict(s) for s in self.manifest()["shards"]]
+
+    @property
+    def num_records(self) -> int:
+        return sum(s.records for s in self.shards())
+
+    def _clean_stale(self, rank: int) -> None:
+        """Remove temp files a killed writer of ``rank`` left (never another rank's)."""
+        marker = f"-r{rank:03d}-"
+        for entry in self.directory.iterdir():
+            if entry.name.startswith(".") and ".tmp-" in entry.name and marker in entry.name:
+                with contextlib.suppress(FileNotFoundError):
+                    entry.unlink()
+
+    def write_shard(self, records: Sequence[RolloutRecord], *, rank: int = 0) -> ShardInfo:
+        """Write ``records`` as the next shard of ``rank`` and list it in the manifest.
+
+        The shard is complete on disk (fsynced, renamed) before the manifest names it, so a
+        kill at any point leaves either the old manifest or the new one, never a listed half.
+        """
+        if not records:
+            raise ValueError("refusing to write an empty shard")
+        for record in records:
+            if record.source not in SOURCES:
+                raise ValueError(f"record {record.id!r}: unknown source {record.source!r}")
+        data = encode_shard(records, self.shard_format)
+        with self._locked():
+            listed = self.manifest()["shards"]
+        seq = 1 + max(
+            (
+                int(m["seq"])
+                for s in listed
+                if (m := _SHARD_RE.match(s["name"])) and int(m["rank"]) == rank
+            ),
+            default=0,
+        )
+        name = f"{self.prefix}-r{rank:03d}-{seq:06d}.{self.shard_format}"
+        self._clean_stale(rank)
+        with atomic_write(self.directory / name, "wb") as fh:
+            fh.write(data)
+        info = ShardInfo(
+            name=name,
+            records=len(records),
+            tokens=sum(len(r) for r in records),
+            loss_tokens=sum(r.num_loss_tokens for r in records),
+            bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            rank=rank,
+        )
+
+        def add(manifest: dict[str, Any]) -> None:
+            if any(s["name"] == name for s in manifest["shards"]):
+                raise StoreError(f"{name} is already listed: two writers share rank {rank}")
+            manifest["shards"].append(info.to_dict())
+
+        self._update(add)
+        return info
+
+    def read_shard(self, shard: ShardInfo | str, *, verify: bool = True) -> list[RolloutRecord]:
+        """Records of one listed shard, after checking its size and sha256."""
+        info = shard if isinstance(shard, ShardInfo) else self._find(shard)
+        path = self.directory / info.name
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise StoreError(
+                f"{path} is listed in the manifest but unreadable ({exc}); delete "
+                f"{self.directory} or use another cache dir"
+            ) from exc
+        if verify and (len(data) != info.bytes or hashlib.sha256(data).hexdigest() != info.sha256):
+            raise StoreError(
+                f"{path} fails its size/sha256 check against the manifest; delete "
+                f"{self.directory} or use another cache dir"
+            )
+        return decode_shard(data, info.format)
+
+    def _find(self, name: str) -> ShardInfo:
+        for info in self.shards():
+            if info.name == name:
+                return info
+        raise KeyError(f"{name} is not listed in {self.directory / MANIFEST}")
+
+    def iter_records(self, *, verify: bool = True) -> Iterator[RolloutRecord]:
+        """Every record of every listed shard, in manifest order."""
+        for info in self.shards():
+            yield from self.read_shard(info, verify=verify)
+
+    def done_ids(self) -> set[str]:
+        """Ids of the records already stored (what a resumed writer must skip)."""
+        return {r.id for r in self.iter_records()}
+
+    # ------------------------------------------------------------------ completion marks
+    def mark_complete(self, key: str, **info: Any) -> None:
+        """Record that the pass ``key`` (e.g. ``"first:1000"``) finished, so a later run can
+        skip re-reading the source."""
+
+        def add(manifest: dict[str, Any]) -> None:
+            manifest.setdefault("complete", {})[key] = {"at": _now(), **info}
+
+        self._update(add)
+
+    def completed(self) -> dict[str, Any]:
+        return dict(self.manifest().get("complete") or {})
+
+    # ------------------------------------------------------------------ feature cache
+    def _feature_section(
+        self, manifest: dict[str, Any], feature_config: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        wanted = config_hash(feature_config)
+        section = manifest.get("features")
+        if section is None:
+            section = {
+                "config_hash": wanted,
+                "config": dict(feature_config),
+                "bytes": 0,
+                "full": False,
+                "shards": {},
+            }
+            manifest["features"] = section
+        elif section.get("config_hash") != wanted:
+            differs = _diff_keys(section.get("config") or {}, feature_config)
+            raise ConfigMismatchError(
+                f"the feature cache in {self.directory} was made under another configuration "
+                f"(differs in: {', '.join(differs) or 'unknown'}). Delete {self.directory} or "
+                "use another cache dir."
+            )
+        return section
+
+    def feature_shards(self, feature_config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """``{token shard name: feature shard entry}`` for the cached features."""
+        manifest = self.manifest()
+        return dict(self._feature_section(manifest, feature_config)["shards"])
+
+    def feature_cache_full(self, feature_config: Mapping[str, Any]) -> bool:
+        return bool(self._feature_section(self.manifest(), feature_config).get("full"))
+
+    def write_features(
+        self,
+        shard: str,
+        features: Mapping[str, Tensor],
+        *,
+        feature_config: Mapping[str, Any],
+        cap_bytes: int,
+    ) -> bool:
+        """Cache ``{record id: [T, F]}`` features (stored fp16) for token shard ``shard``.
+
+        Returns False, writes nothing and marks the cache full when the shard would take the
+        cache past ``cap_bytes`` (later shards are then served without features).
+        """
+        from safetensors.torch import save
+
+        ids = list(features)
+        rows = [features[i].detach().to("cpu", torch.float16) for i in ids]
+        widths = {int(r.shape[-1]) for r in rows}
+        if len(widths) > 1 or any(r.dim() != 2 for r in rows):
+            raise ValueError("features must be [T, F] with one F for every record")
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64).cumsum(0)
+        flat = torch.cat(rows) if rows else torch.zeros(0, 0, dtype=torch.float16)
+        data = save(
+            {"features": flat.contiguous(), "offsets": offsets},
+            metadata={"ids": json.dumps(ids), "shard": shard},
+        )
+        with self._locked():
+            manifest = self.manifest()
+            section = self._feature_section(manifest, feature_config)
+            if section.get("full") or section["bytes"] + len(data) > cap_bytes:
+                if not section.get("full"):
+                    log.info(
+                        "feature cache in %s reached its cap (%d of %d bytes used; next shard "
+                        "needs %d): remaining shards get features online",
+                        self.directory,
+                        section["bytes"],
+                        cap_bytes,
+                        len(data),
+                    )
+                    section["full"] = True
+                    manifest["updated"] = _now()
+                    atomic_write_json(self.directory / MANIFEST, manifest)
+                return False
+            name = f"features-{shard.split('.')[0]}.safetensors"
+            with atomic_write(self.directory / name, "wb") as fh:
+                fh.write(data)
+            section["shards"][shard] = {
+                "name": name,
+                "records": len(ids),
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+            section["bytes"] += len(data)
+            manifest["updated"] = _now()
+            atomic_write_json(self.directory / MANIFEST, manifest)
+        return True
+
+    def read_features(
+        self, shard: str, *, feature_config: Mapping[str, Any], verify: bool = True
+    ) -> dict[str, Tensor]:
+        """``{record id: fp16 [T, F]}`` cached for token shard ``shard`` (empty if none)."""
+        from safetensors.torch import load
+
+        entry = self.feature_shards(feature_config).get(shard)
+        if entry is None:
+            return {}
+        path = self.directory / entry["name"]
+        data = path.read_bytes()
+        if verify and (
+            len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]
+        ):
+            raise StoreError(
+                f"{path} fails its sha256 check; delete {self.directory} or use another cache dir"
+            )
+        tensors = load(data)
+        ids = json.loads(_safetensors_metadata(data)["ids"])
+        offsets = tensors["offsets"].tolist()
+        flat = tensors["features"]
+        return {rid: flat[offsets[i] : offsets[i + 1]] for i, rid in enumerate(ids)}
+
+
+def verify_store(directory: str | Path) -> list[str]:
+    """Problems found by re-hashing every listed file of a store (empty list: all good)."""
+    directory = Path(directory)
+    manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    problems = []
+    entries: Iterable[Mapping[str, Any]] = list(manifest.get("shards", []))
+    entries = [*entries, *(manifest.get("features") or {}).get("shards", {}).values()]
+    for entry in entries:
+        path = directory / entry["name"]
+        if not path.exists():
+            problems.append(f"{entry['name']} is missing")
+        elif os.path.getsize(path) != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            problems.append(f"{entry['name']} fails its sha256 check")
+    return problems
