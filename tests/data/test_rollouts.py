@@ -278,7 +278,9 @@ def test_feature_cache_respects_its_cap(tmp_path: Path) -> None:
     assert set(cached) == set(per_shard[infos[0].name])
     for rid, feats in cached.items():
         assert feats.dtype == torch.float16
-        torch.testing.assert_close(feats.float(), per_shard[infos[0].name][rid], atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(
+            feats.float(), per_shard[infos[0].name][rid], atol=2e-3, rtol=1e-3
+        )
     assert store.read_features(infos[2].name, feature_config=feature_config) == {}
     total = store.manifest()["features"]["bytes"]
     assert total <= cap
