@@ -1,0 +1,159 @@
+"""Drafter checkpoints as Hugging Face-style folders: `best/` and `last/`.
+
+Lightning checkpoints hold optimizer state and exist to resume training; what users deploy,
+export, benchmark and serve (SGLang/vLLM read EAGLE-3 folders) is the drafter folder written by
+`Drafter.save_pretrained`. This callback keeps two of them under `dirpath`:
+
+* `last/`: after every validation pass and at the end of training;
+* `best/`: whenever the monitored metric (default `val/tau`, written by `AcceptanceEval`)
+  improves.
+
+Each folder also holds `training_state.json` (step, epoch, the monitored value, the best value).
+A folder is written under a temporary name and renamed into place, so a job killed mid-write
+leaves the previous folder intact (a stale `.tmp-*` folder is removed on the next write).
+Only global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DrafterCheckpoint", "STATE_FILE"]
+
+STATE_FILE = "training_state.json"
+
+
+class DrafterCheckpoint(Callback):
+    """Keep `best/` and `last/` drafter folders (see the module docstring)."""
+
+    def __init__(
+        self, dirpath: str | None = None, monitor: str = "val/tau", mode: str = "max"
+    ) -> None:
+        """
+        Args:
+            dirpath: Folder for `best/` and `last/`; default `<trainer.default_root_dir>/drafter`.
+            monitor: Logged metric that decides `best/`.
+            mode: "max" (tau, accuracy) or "min" (a loss).
+        """
+        super().__init__()
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+        self.dirpath = dirpath
+        self.monitor = monitor
+        self.mode = mode
+        self.best_value: float | None = None
+        self.best_step: int | None = None
+        self._last_step_written: int | None = None
+        self._warned_missing = False
+
+    # ---------------------------------------------------------------------------- paths
+    def root(self, trainer: Trainer) -> Path:
+        return Path(self.dirpath or Path(trainer.default_root_dir) / "drafter").expanduser()
+
+    def best_path(self, trainer: Trainer) -> Path:
+        return self.root(trainer) / "best"
+
+    def last_path(self, trainer: Trainer) -> Path:
+        return self.root(trainer) / "last"
+
+    # ---------------------------------------------------------------------------- hooks
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        value = self._monitored(trainer)
+        improved = value is not None and self._improves(value)
+        if improved:
+            self.best_value, self.best_step = value, int(trainer.global_step)
+        if trainer.is_global_zero:
+            self._write(trainer, pl_module, "last", value)
+            if improved:
+                self._write(trainer, pl_module, "best", value)
+                log.info(
+                    "new best drafter: %s = %.4f at step %d",
+                    self.monitor,
+                    value,
+                    trainer.global_step,
+                )
+        trainer.strategy.barrier("drafter_checkpoint")
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.is_global_zero and self._last_step_written != int(trainer.global_step):
+            self._write(trainer, pl_module, "last", self._monitored(trainer))
+
+    # ---------------------------------------------------------------------------- internals
+    def _monitored(self, trainer: Trainer) -> float | None:
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            if not self._warned_missing:
+                log.warning(
+                    "DrafterCheckpoint: %r was not logged; only last/ is written "
+                    "(add AcceptanceEval, or monitor another metric)",
+                    self.monitor,
+                )
+                self._warned_missing = True
+            return None
+        value = float(value)
+        return value if math.isfinite(value) else None
+
+    def _improves(self, value: float) -> bool:
+        if self.best_value is None:
+            return True
+        return value > self.best_value if self.mode == "max" else value < self.best_value
+
+    def _write(
+        self, trainer: Trainer, pl_module: LightningModule, name: str, value: float | None
+    ) -> None:
+        root = self.root(trainer)
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / name
+        # A kill between the two renames below leaves only the old folder: put it back first.
+        previous = sorted(root.glob(f".tmp-{name}-old-*"))
+        if previous and not final.exists():
+            previous[-1].rename(final)
+        for stale in root.glob(f".tmp-{name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        pl_module.drafter.save_pretrained(tmp)
+        state = {
+            "global_step": int(trainer.global_step),
+            "epoch": int(trainer.current_epoch),
+            "monitor": self.monitor,
+            "value": value,
+            "best_value": self.best_value,
+            "best_step": self.best_step,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        if final.exists():
+            old = root / f".tmp-{name}-old-{uuid.uuid4().hex[:8]}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+        if name == "last":
+            self._last_step_written = int(trainer.global_step)
+
+    # ---------------------------------------------------------------------------- resume
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_value": self.best_value, "best_step": self.best_step}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best_value = state_dict.get("best_value")
+        self.best_step = state_dict.get("best_step")

@@ -1,0 +1,125 @@
+"""The maths of every training objective, as pure functions over tensors.
+
+Objectives (`sft.py`, later `gto.py`, `draft_opd.py`, `online.py`) stay thin LightningModules;
+what they optimise lives here so it can be tested on hand-made tensors without a trainer.
+Every function takes keyword-only arguments and documents its shapes. Reductions are masked
+means over "loss positions" (assistant tokens to be predicted) and never return NaN for an
+empty mask, so a batch without loss tokens contributes 0 instead of poisoning the run.
+
+Sections:
+1. reductions (masked mean)
+2. vocabularies (restriction of target logits to a reduced draft vocabulary)
+3. distribution matching (soft cross-entropy, forward KL, top-1 agreement)
+4. EAGLE-3 training-time test (per-step weighting); paper: EAGLE-3, Li et al. 2025
+Objectives added later (GTO tree rewards, Draft-OPD) go below, in sections of their own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "kl_divergence",
+    "masked_mean",
+    "restrict_to_draft_vocab",
+    "soft_cross_entropy",
+    "top1_matches",
+    "ttt_total_loss",
+    "ttt_weights",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Reductions
+# --------------------------------------------------------------------------------------------
+
+
+def masked_mean(*, values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of `values` [...] over positions where `mask` [...] is nonzero; 0 if none are.
+
+    The mask may be bool or float (a float mask weights positions). An empty mask gives an
+    exact 0 that still carries the graph of `values`, so backward works on every rank.
+    """
+    weights = mask.to(values.dtype)
+    total = (values * weights).sum()
+    count = weights.sum()
+    return total / count.clamp_min(1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Vocabularies
+# --------------------------------------------------------------------------------------------
+
+
+def restrict_to_draft_vocab(*, target_logits: Tensor, draft_ids: Tensor | None) -> Tensor:
+    """Target logits [..., V] -> logits over the draft vocabulary [..., V_draft].
+
+    `draft_ids` [V_draft] holds the target id of every draft id (`d + d2t[d]`); None means the
+    draft vocabulary is the target's. A softmax over the result is the target distribution
+    restricted to the draft vocabulary and renormalised, EAGLE-3's soft label.
+    """
+    if draft_ids is None:
+        return target_logits
+    return target_logits.index_select(-1, draft_ids.to(target_logits.device))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Distribution matching
+# --------------------------------------------------------------------------------------------
+
+
+def soft_cross_entropy(*, logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean of H(p, q) = -sum_v p(v) log q(v), q = softmax(`logits`).
+
+    logits [..., V] (the drafter's), target_probs [..., V] (rows summing to 1), mask [...].
+    Minimal (equal to the entropy of p) when q = p. Computed in float32 whatever the inputs.
+    """
+    log_q = F.log_softmax(logits.float(), dim=-1)  # [..., V]
+    per_position = -(target_probs.float() * log_q).sum(dim=-1)  # [...]
+    return masked_mean(values=per_position, mask=mask)
+
+
+def kl_divergence(*, logits: Tensor, target_probs: Tensor, mask: Tensor) -> Tensor:
+    """Masked mean of forward KL(p || q) = H(p, q) - H(p): soft cross-entropy shifted to 0 at
+    q = p (same gradient with respect to `logits`; easier to read in logs and tests)."""
+    p = target_probs.float()  # [..., V]
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    log_p = torch.log(p.clamp_min(torch.finfo(torch.float32).tiny))
+    per_position = (p * (log_p - log_q)).sum(dim=-1)  # [...]
+    return masked_mean(values=per_position, mask=mask)
+
+
+def top1_matches(
+    *, draft_logits: Tensor, target_argmax: Tensor, draft_ids: Tensor | None = None
+) -> Tensor:
+    """Bool [...]: the drafter's argmax (mapped to a target id) equals the target's argmax.
+
+    draft_logits [..., V_draft]; target_argmax [...] holds TARGET ids (argmax over the full
+    target vocabulary), so a token the draft vocabulary lacks always counts as a miss, as it
+    would at verification. At T = 0 the masked mean at TTT step 0 is the chance that the first
+    draft is accepted.
+    """
+    guess = draft_logits.argmax(dim=-1)  # [...] draft ids
+    if draft_ids is not None:
+        guess = draft_ids.to(guess.device)[guess]  # [...] target ids
+    return guess == target_argmax
+
+
+# --------------------------------------------------------------------------------------------
+# 4. EAGLE-3 training-time test
+# --------------------------------------------------------------------------------------------
+
+
+def ttt_weights(*, steps: int, decay: float) -> Tensor:
+    """[steps] weights decay**k of TTT unroll step k (EAGLE-3: decay 0.8, 7 steps)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    return torch.tensor([decay**k for k in range(steps)], dtype=torch.float32)
+
+
+def ttt_total_loss(*, step_losses: Tensor, decay: float) -> Tensor:
+    """sum_k decay**k * loss_k over the per-step losses [K] (a stacked 1-D tensor)."""
+    weights = ttt_weights(steps=step_losses.shape[0], decay=decay).to(step_losses.device)
+    return (weights * step_losses.float()).sum()

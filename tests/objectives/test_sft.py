@@ -1,0 +1,361 @@
+"""EagleSFT: TTT == the decoder's chain, a two-step CPU smoke run read back from a real SQLite
+MLflow store, checkpoints without the target, non-finite steps skipped, draft-vocab counting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning_spec.callbacks.acceptance import AcceptanceEval
+from lightning_spec.callbacks.checkpoint import STATE_FILE, DrafterCheckpoint
+from lightning_spec.callbacks.plots import AcceptancePlot
+from torch.utils.data import DataLoader
+
+from lightning_spec.decoding.engine import _DrafterProposer
+from lightning_spec.decoding.tree import DraftTree
+from lightning_spec.models.drafters.base import load_drafter
+from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+from lightning_spec.models.target import TargetModel
+from lightning_spec.models.tiny import tiny_config
+from lightning_spec.objectives import sft
+from lightning_spec.objectives.sft import EagleSFT, WarmupCosine, ttt_attention_mask, ttt_unroll
+from lightning_spec.tracking import default_tracking_uri, make_mlflow_logger
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_config(tiny_config("llama", num_layers=4), seed=1)
+
+
+def _drafter(target: TargetModel, noise: float = 0.0) -> Eagle3Drafter:
+    drafter = Eagle3Drafter.from_target(
+        target, draft_vocab_size=48, token_counts=torch.arange(VOCAB), intermediate_size=64
+    )
+    if noise:
+        generator = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for parameter in drafter.parameters():
+                parameter.add_(noise * torch.randn(parameter.shape, generator=generator))
+    return drafter
+
+
+def _batch(length: int = 16, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, (2, length), generator=generator)
+    attention_mask = torch.ones(2, length, dtype=torch.long)
+    attention_mask[1, length - 4 :] = 0  # right padding
+    input_ids[1, length - 4 :] = 0
+    loss_mask = torch.zeros(2, length, dtype=torch.long)
+    loss_mask[:, length // 3 :] = 1
+    loss_mask *= attention_mask
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "source": ["a", "b"],
+    }
+
+
+class TinyData(LightningDataModule):
+    """The same batch twice per epoch (so a working step lowers the next loss), one val batch."""
+
+    def __init__(self, batch: dict, prompts: list[list[int]] | None = None) -> None:
+        super().__init__()
+        self.batch = batch
+        self.prompts = prompts or [[5, 9, 14, 3, 22], [40, 41, 42]]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader([self.batch, self.batch], batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader([self.batch], batch_size=None)
+
+    def eval_prompts(self, n: int) -> list[list[int]]:
+        return self.prompts[:n]
+
+
+# ------------------------------------------------------------------------------------------ TTT
+
+
+def test_ttt_mask_pattern_by_hand() -> None:
+    mask = ttt_attention_mask(4, 2)[0].int()
+    # block 0: entry i sees committed entries <= i - 2; block 1: entry i - 1; block 2: itself.
+    expected = torch.tensor(
+        [
+            [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+            [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+            [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+            [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1],
+        ]
+    )
+    assert torch.equal(mask, expected)
+    assert torch.equal(ttt_attention_mask(3, 0)[0], torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def test_ttt_step_k_equals_decoder_chain_at_depth_k(target: TargetModel) -> None:
+    """Step k at position j must be the decoder's depth-k node of a chain rooted at j - k."""
+    drafter = _drafter(target, noise=0.05).eval()
+    batch = _batch(length=10)
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    features = target(ids, attention_mask=attention, use_cache=False).features
+    steps = 4
+    with torch.no_grad():
+        outputs = ttt_unroll(drafter, input_ids=ids, features=features, steps=steps)
+    worst, compared = 0.0, 0
+    for b in range(2):
+        real = int(attention[b].sum())
+        for k in range(steps):
+            for j in range(k + 1, real):
+                root = j - k
+                state = drafter.new_state(1)
+                with torch.no_grad():
+                    # The decoder absorbs committed x_1 .. x_R with true features f_0 .. f_{R-1}.
+                    absorbed = drafter.step(
+                        state,
+                        ids[b : b + 1, 1 : root + 1],
+                        torch.arange(1, root + 1).unsqueeze(0),
+                        features=features[b : b + 1, :root],
+                    )
+                    logprobs = torch.log_softmax(absorbed.logits[0, -1], -1)
+                    hidden = absorbed.hidden[0, -1]
+                    if k > 0:  # ... then expands a chain of k ground-truth tokens.
+                        proposer = _DrafterProposer(drafter, state, logprobs, hidden, root)
+                        chain = DraftTree(
+                            tokens=ids[b, root + 1 : root + k + 1].clone(),
+                            parents=torch.arange(-1, k - 1),
+                            logprobs=torch.zeros(k),
+                        )
+                        for node in range(k):
+                            rows = proposer.expand(chain, torch.tensor([node]))
+                        logprobs = rows[0]
+                        hidden = proposer.hidden[k - 1]
+                    else:
+                        logprobs = drafter.to_target(logprobs)
+                ttt = drafter.to_target(torch.log_softmax(outputs[k].logits[b, j - 1], -1))
+                finite = torch.isfinite(ttt)
+                assert torch.equal(finite, torch.isfinite(logprobs))
+                worst = max(worst, (ttt[finite] - logprobs[finite]).abs().max().item())
+                worst = max(worst, (outputs[k].hidden[b, j - 1] - hidden).abs().max().item())
+                compared += 1
+    assert compared == sum(r - 1 - k for r in (10, 6) for k in range(steps) if r - 1 - k > 0)
+    assert worst < 1e-5, f"TTT differs from the decoder by {worst}"
+
+
+def test_loss_masks_shift_and_drop_rootless_entries() -> None:
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0]])
+    masks = sft.ttt_loss_masks(loss_mask, steps=3)
+    # entry i (position i + 1) predicts token i + 2; step k needs i >= k.
+    assert masks[0, 0].tolist() == [1, 1, 1, 0, 0]
+    assert masks[1, 0].tolist() == [0, 1, 1, 0, 0]
+    assert masks[2, 0].tolist() == [0, 0, 1, 0, 0]
+
+
+def test_cached_features_give_the_online_loss(target: TargetModel) -> None:
+    module = EagleSFT.from_objects(target, _drafter(target), ttt_steps=2)
+    batch = _batch()
+    online = module._common_step(batch)
+    output = target(batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    cached = module._common_step(
+        {**batch, "features": output.features, "last_hidden": output.last_hidden}
+    )
+    torch.testing.assert_close(cached.loss, online.loss)
+    torch.testing.assert_close(cached.step_accuracy, online.step_accuracy)
+    assert online.tokens == int(sft.ttt_loss_masks(batch["loss_mask"], steps=1).sum())
+
+
+def test_warmup_cosine_by_hand() -> None:
+    schedule = WarmupCosine(warmup=2, total=12, floor=0.1)
+    assert [schedule(s) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert schedule(7) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the decay
+    assert schedule(12) == pytest.approx(0.1) and schedule(50) == pytest.approx(0.1)
+    assert WarmupCosine(warmup=2, total=float("inf"))(100) == 1.0
+
+
+def test_mismatched_drafter_is_rejected(target: TargetModel) -> None:
+    other = TargetModel.from_config(tiny_config("llama", vocab_size=96, num_layers=4), seed=2)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        EagleSFT.from_objects(target, Eagle3Drafter.from_target(other))
+
+
+# ------------------------------------------------------------------------------------ smoke run
+
+
+class _TargetModeProbe(Callback):
+    def __init__(self) -> None:
+        self.modes: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self.modes.append(any(m.training for m in pl_module.target.modules()))
+
+
+def test_two_step_smoke_run_logs_to_sqlite_mlflow(
+    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # anything written relative to the cwd would show up here
+    run_dir = tmp_path / "runs" / "smoke"
+    drafter = _drafter(target)
+    embedding_before = drafter.embed_tokens.weight.clone()
+    module = EagleSFT.from_objects(
+        target, drafter, ttt_steps=3, lr=1e-2, warmup_steps=1, max_steps_for_schedule=10
+    )
+    probe = _TargetModeProbe()
+    logger = make_mlflow_logger("sft-smoke", run_dir)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        max_epochs=1,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(run_dir),
+        logger=logger,
+        callbacks=[
+            AcceptanceEval(num_prompts=2, max_new_tokens=8, tree="chain:3"),
+            DrafterCheckpoint(),
+            AcceptancePlot(),
+            probe,
+        ],
+    )
+    trainer.fit(module, datamodule=TinyData(_batch()))
+    assert trainer.global_step == 2
+    assert probe.modes == [False, False]  # the frozen target never goes to train mode
+    torch.testing.assert_close(module.drafter.embed_tokens.weight, embedding_before)
+
+    # Drafter folders: best/ and last/ with weights, config and the training state.
+    folder = run_dir / "drafter"
+    for name in ("best", "last"):
+        files = sorted(p.name for p in (folder / name).iterdir())
+        assert files == ["config.json", "model.safetensors", STATE_FILE]
+        state = json.loads((folder / name / STATE_FILE).read_text())
+        assert state["global_step"] == 2 and state["monitor"] == "val/tau"
+    assert not list(folder.glob(".tmp-*"))
+    reloaded = load_drafter(folder / "best")
+    torch.testing.assert_close(reloaded.fc.weight, module.drafter.fc.weight)
+
+    # Everything read back from the SQLite store.
+    uri = default_tracking_uri(run_dir)
+    assert uri == f"sqlite:///{tmp_path}/runs/mlflow.db" and uri.startswith("sqlite:////")
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(logger.run_id)
+    assert run.data.params["ttt_steps"] == "3" and run.data.params["lr"] == "0.01"
+    keys = set(run.data.metrics)
+    expected = {"train/loss", "train/lr", "train/tokens", "train/skipped_nonfinite"}
+    expected |= {f"train/{m}_{k}" for m in ("loss", "acc") for k in range(3)}
+    expected |= {"val/loss", "val/acc_0", "val/tau", "val/tokens_per_step"}
+    expected |= {f"val/alpha_{d}" for d in (1, 2, 3)}
+    assert expected <= keys, expected - keys
+    losses = [
+        m.value
+        for m in sorted(
+            client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step
+        )
+    ]
+    assert len(losses) == 2 and losses[1] < losses[0], losses
+    assert 1.0 <= run.data.metrics["val/tau"] <= 4.0
+    plots = [a.path for a in client.list_artifacts(run.info.run_id, "plots")]
+    assert plots == ["plots/acceptance.png"]
+    drafter_files = sorted(a.path for a in client.list_artifacts(run.info.run_id, "drafter"))
+    assert drafter_files == [
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        f"drafter/{STATE_FILE}",
+    ]
+    artifact_root = tmp_path / "runs" / "mlartifacts" / "sft-smoke"
+    assert run.info.artifact_uri.startswith(artifact_root.as_uri())
+    assert (artifact_root / run.info.run_id / "artifacts" / "plots" / "acceptance.png").is_file()
+    assert not (tmp_path / "mlruns").exists()
+
+    # Lightning checkpoints leave the frozen target out and load back strictly.
+    trainer.save_checkpoint(tmp_path / "sft.ckpt")
+    checkpoint = torch.load(tmp_path / "sft.ckpt", weights_only=False)
+    assert not [k for k in checkpoint["state_dict"] if k.startswith("target.")]
+    assert "drafter.fc.weight" in checkpoint["state_dict"]
+    fresh = EagleSFT.from_objects(target, _drafter(target, noise=0.1), ttt_steps=3)
+    fresh.on_load_checkpoint(checkpoint)
+    fresh.load_state_dict(checkpoint["state_dict"], strict=True)
+    torch.testing.assert_close(fresh.drafter.fc.weight, module.drafter.fc.weight)
+    assert fresh._tokens_seen == module._tokens_seen > 0
+
+
+def test_nonfinite_steps_are_skipped_then_fatal(target: TargetModel) -> None:
+    batch = _batch()
+    output = target(batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    poisoned = {
+        **batch,
+        "features": torch.full_like(output.features, float("nan")),
+        "last_hidden": output.last_hidden,
+    }
+
+    def fit(limit: int) -> EagleSFT:
+        module = EagleSFT.from_objects(
+            target, _drafter(target), ttt_steps=2, max_consecutive_nonfinite=limit, warmup_steps=1
+        )
+        trainer = Trainer(
+            accelerator="cpu",
+            max_steps=2,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+        )
+        before = {k: v.clone() for k, v in module.drafter.state_dict().items()}
+        trainer.fit(module, datamodule=TinyData(poisoned))
+        for key, value in module.drafter.state_dict().items():
+            torch.testing.assert_close(value, before[key], msg=f"{key} changed on a skipped step")
+        assert float(trainer.callback_metrics["train/skipped_nonfinite"]) == 2.0
+        return module
+
+    assert fit(limit=5)._nonfinite_total == 2
+    with pytest.raises(FloatingPointError, match="2 consecutive"):
+        fit(limit=2)
+
+
+# ------------------------------------------------------------------------------- draft vocabulary
+
+
+def test_draft_token_counts_from_assistant_turns(
+    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "</s>", "<|user|>", "<|assistant|>", "hello", "good", "answer"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", unk_token="[UNK]", pad_token="[PAD]"
+    )
+    data = tmp_path / "chats.jsonl"
+    chat = {
+        "messages": [
+            {"role": "user", "content": "hello hello"},
+            {"role": "assistant", "content": "good answer good"},
+        ]
+    }
+    data.write_text("\n".join(json.dumps(chat) for _ in range(3)) + "\n")
+    monkeypatch.setattr(target, "tokenizer", tokenizer)
+    counts = sft.draft_token_counts(target, source=str(data), conversations=2, cache_dir=tmp_path)
+    assert counts.shape == (VOCAB,)
+    # Two conversations, assistant tokens only: good x2, answer x1, </s> x1 each.
+    assert {i: int(c) for i, c in enumerate(counts.tolist()) if c} == {2: 2, 6: 4, 7: 2}
+    cached = list((tmp_path / "vocab").glob("*.pt"))
+    assert len(cached) == 1
+
+    def no_reading(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("counts should come from the cache")
+
+    monkeypatch.setattr("lightning_spec.data.sources.load_source", no_reading)
+    again = sft.draft_token_counts(target, source=str(data), conversations=2, cache_dir=tmp_path)
+    assert torch.equal(again, counts)
