@@ -1,0 +1,376 @@
+"""Regenerate training responses with the target itself, batched, resumable and rank-sharded.
+
+A drafter is judged by how often the *target* accepts its guesses, so training on the target's
+own answers (rather than the dataset's, written by another model) aligns the training
+distribution with what the drafter will see (EAGLE and Medusa report gains from it). For each
+training prompt (system message + first user turn, rendered with the chat template) the target
+answers with batched ``model.generate`` (left padding, greedy or sampled), and each answer
+becomes a record ``prompt (loss 0) + answer (loss 1)`` tagged ``source="regenerated"``.
+
+Records land in a :class:`~lightning_spec.data.rollouts.RolloutStore` shard by shard as they
+complete. A rerun reads the ids already stored and skips them, so an interrupted job resumes
+without duplicates (a shard the manifest does not list never counts). Under DDP, rank ``r``
+takes the prompts at positions ``i % world_size == r`` of the full prompt list and writes its
+own shard names; any world size can resume any other's work since done ids are global.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_spec.data.chat import render_prompt
+from lightning_spec.data.rollouts import RolloutRecord, RolloutStore, ShardInfo
+
+log = logging.getLogger(__name__)
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How the target answers; part of the store's config hash (changing it means new data)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    """0 = greedy; > 0 samples at this temperature."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k filter (transformers would otherwise default to 50 when sampling)."""
+    seed: int = 0
+    """Sampling seed; each batch draws from a generator seeded by (seed, the batch's ids)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise ValueError("max_new_tokens must be positive")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def as_config(self) -> dict[str, Any]:
+        config = asdict(self)
+        if self.greedy:  # sampling knobs do not change greedy output
+            config = {"max_new_tokens": self.max_new_tokens, "temperature": 0.0}
+        return config
+
+
+@dataclass
+class PromptItem:
+    """One prompt to answer: chat ``messages`` (rendered lazily) or ready ``input_ids``."""
+
+    id: str
+    messages: list[Message] | None = None
+    input_ids: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.messages is None and self.input_ids is None:
+            raise ValueError(f"prompt {self.id!r} needs messages or input_ids")
+
+
+@dataclass
+class RegenerationReport:
+    """What one call did (this rank only)."""
+
+    assigned: int = 0
+    already_done: int = 0
+    too_long: int = 0
+    generated: int = 0
+    new_tokens: int = 0
+    seconds: float = 0.0
+    shards: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _pad_id(target: Any, tokenizer: Any, eos_ids: Sequence[int]) -> int:
+    for candidate in (
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(target.model.config, "pad_token_id", None),
+    ):
+        if isinstance(candidate, int):
+            return candidate
+    return int(sorted(eos_ids)[0]) if eos_ids else 0
+
+
+def _batch_seed(seed: int, ids: Sequence[str]) -> int:
+    digest = hashlib.sha256(f"{seed}|{'|'.join(ids)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.inference_mode()
+def generate_batch(
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    settings: GenerationSettings,
+    max_new_tokens: int,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    seed: int = 0,
+) -> list[tuple[list[int], str]]:
+    """Answer left-padded ``prompts`` with ``target.model.generate``.
+
+    Returns ``(new tokens, finish)`` per prompt, cut after the first end-of-turn token
+    (``finish = "eos"``) or at the limit (``"length"``). Tokens after an EOS are padding;
+    without an EOS nothing is trimmed (the pad id may be a real token).
+    """
+    device = target.device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "pad_token_id": pad_id,
+        "eos_token_id": list(eos_ids) or None,
+        "do_sample": not settings.greedy,
+    }
+    if not settings.greedy:
+        kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        output = target.model.generate(
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs
+        )
+    eos = set(eos_ids)
+    results: list[tuple[list[int], str]] = []
+    for row in output[:, width:].tolist():
+        cut = next((i for i, token in enumerate(row) if token in eos), None)
+        if cut is None:
+            results.append((row, "length"))
+        else:
+            results.append((row[: cut + 1], "eos"))
+    return results
+
+
+def _progress(enabled: bool, total: int, description: str = "regenerating") -> Any:
+    """A rich progress bar with prompts done and tokens/s (a no-op when disabled)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn(f"[bold]{description}[/bold]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]:>8.1f} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        disable=not enabled,
+    )
+
+
+def regenerate(
+    target: Any,
+    tokenizer: Any,
+    prompts: Sequence[PromptItem],
+    store: RolloutStore,
+    *,
+    settings: GenerationSettings | None = None,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    records_per_shard: int = 64,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = True,
+    on_shard: Callable[[ShardInfo], None] | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+) -> RegenerationReport:
+    """Answer every prompt of this rank that ``store`` does not hold yet; return a report.
+
+    ``target`` is a :class:`~lightning_spec.models.target.TargetModel` (``.model`` generates,
+    ``.device``, ``.eos_token_ids``). Prompts of ``max_length`` tokens or more are skipped (no
+    room for an answer); answers stop at ``max_length`` total tokens. Pending prompts are
+    sorted by length before batching so a batch carries little padding.
+    """
+    settings = settings or GenerationSettings()
+    if batch_size <= 0 or records_per_shard <= 0:
+        raise ValueError("batch_size and records_per_shard must be positive")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world size {world_size}")
+    report = RegenerationReport()
+    mine = [p for i, p in enumerate(prompts) if i % world_size == rank]
+    report.assigned = len(mine)
+    done = store.done_ids()
+    pending: list[tuple[PromptItem, list[int]]] = []
+    seen: set[str] = set()
+    for item in mine:
+        if item.id in done:
+            report.already_done += 1
+            continue
+        if item.id in seen:
+            log.warning("prompt id %r appears twice; keeping the first", item.id)
+            continue
+        seen.add(item.id)
+        ids = list(item.input_ids) if item.input_ids is not None else None
+        if ids is None:
+            ids = render_prompt(tokenizer, item.messages or [])
+        if max_length is not None and len(ids) >= max_length:
+            report.too_long += 1
+            continue
+        pending.append((item, ids))
+    if report.too_long:
+        log.info("regeneration: %d prompts of %d+ tokens skipped", report.too_long, max_length)
+    if not pending:
+        return report
+    pending.sort(key=lambda pair: (len(pair[1]), pair[0].id))
+    eos_ids = sorted(eos_token_ids if eos_token_ids is not None else target.eos_token_ids)
+    pad_id = _pad_id(target, tokenizer, eos_ids)
+    buffer: list[RolloutRecord] = []
+
+    def flush(count: int) -> None:
+        info = store.write_shard(buffer[:count], rank=rank)
+        report.shards.append(info.name)
+        del buffer[:count]
+        if on_shard is not None:
+            on_shard(info)
+
+    start = time.perf_counter()
+    with _progress(progress, len(pending)) as bar:
+        task = bar.add_task("regenerate", total=len(pending), rate=0.0)
+        for lo in range(0, len(pending), batch_size):
+            batch = pending[lo : lo + batch_size]
+            budget = settings.max_new_tokens
+            if max_length is not None:
+                budget = min(budget, max_length - min(len(ids) for _, ids in batch))
+            answers = generate_batch(
+                target,
+                [ids for _, ids in batch],
+                settings=settings,
+                max_new_tokens=budget,
+                pad_id=pad_id,
+                eos_ids=eos_ids,
+                seed=_batch_seed(settings.seed, [item.id for item, _ in batch]),
+            )
+            for (item, ids), (tokens, finish) in zip(batch, answers, strict=True):
+                report.new_tokens += len(tokens)
+                if max_length is not None and len(ids) + len(tokens) > max_length:
+                    tokens, finish = tokens[: max_length - len(ids)], "max_length"
+                meta: Mapping[str, Any] = {
+                    **item.meta,
+                    "prompt_tokens": len(ids),
+                    "new_tokens": len(tokens),
+                    "finish": finish,
+                }
+                buffer.append(
+                    RolloutRecord(
+                        id=item.id,
+                        input_ids=ids + tokens,
+                        loss_mask=[0] * len(ids) + [1] * len(tokens),
+                        source="regenerated",
+                        meta=dict(meta),
+                    )
+                )
+                report.generated += 1
+            report.seconds = time.perf_counter() - start
+            bar.update(task, advance=len(batch), rate=report.tokens_per_second)
+            while len(buffer) >= records_per_shard:
+                flush(records_per_shard)
+        if buffer:
+            flush(len(buffer))
+    report.seconds = time.perf_counter() - start
+    log.info(
+        "regeneration (rank %d/%d): %d answers, %d new tokens in %.1f s (%.1f tok/s), "
+        "%d already done, %d shards",
+        rank,
+        world_size,
+        report.generated,
+        report.new_tokens,
+        report.seconds,
+        report.tokens_per_second,
+        report.already_done,
+        len(report.shards),
+    )
+    return report
+
+
+def feature_config(target: Any, target_id: str | None = None) -> dict[str, Any]:
+    """What cached features depend on: the target, its feature layers and its dtype."""
+    return {
+        "target": target_id or str(getattr(target, "name", type(target).__name__)),
+        "feature_layers": list(getattr(target, "feature_layers", [])),
+        "dtype": str(getattr(target, "dtype", "")),
+        "stored_as": "float16",
+    }
+
+
+@torch.inference_mode()
+def cache_features(
+    target: Any,
+    store: RolloutStore,
+    *,
+    cap_bytes: int,
+    batch_size: int = 8,
+    max_length: int | None = None,
+    target_id: str | None = None,
+    progress: bool = False,
+) -> int:
+    """Compute and store the target's fused features for every token shard of ``store`` that
+    has none yet, until the cache would exceed ``cap_bytes``; return the bytes cached now.
+
+    Features of token t depend only on tokens <= t (causal attention), so a record truncated
+    to ``max_length`` later still matches its cached prefix.
+    """
+    if cap_bytes <= 0:
+        return 0
+    config = feature_config(target, target_id)
+    if store.feature_cache_full(config):
+        return 0
+    cached = store.feature_shards(config)
+    written = 0
+    shards = [s for s in store.shards() if s.name not in cached]
+    with _progress(progress, len(shards), "caching features") as bar:
+        task = bar.add_task("features", total=len(shards), rate=0.0)
+        start, tokens = time.perf_counter(), 0
+        for info in shards:
+            records = [r.truncated(max_length) for r in store.read_shard(info)]
+            features: dict[str, torch.Tensor] = {}
+            order = sorted(range(len(records)), key=lambda i: len(records[i]))
+            for lo in range(0, len(order), batch_size):
+                batch = [records[i] for i in order[lo : lo + batch_size]]
+                width = max(len(r) for r in batch)
+                input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                for row, record in enumerate(batch):
+                    input_ids[row, : len(record)] = torch.tensor(record.input_ids)
+                    attention_mask[row, : len(record)] = 1
+                output = target(
+                    input_ids.to(target.device),
+                    attention_mask=attention_mask.to(target.device),
+                    use_cache=False,
+                )
+                for row, record in enumerate(batch):
+                    features[record.id] = output.features[row, : len(record)].to("cpu")
+                    tokens += len(record)
+            if not store.write_features(
+                info.name, features, feature_config=config, cap_bytes=cap_bytes
+            ):
+                break
+            written += sum(int(f.numel()) * 2 for f in features.values())
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, advance=1, rate=rate)
+    return written
