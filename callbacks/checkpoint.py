@@ -70,6 +70,12 @@ class DrafterCheckpoint(Callback):
 
     # ---------------------------------------------------------------------------- hooks
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.is_global_zero and self.root(trainer).is_dir():
+            for name in ("best", "last"):
+                _recover(self.root(trainer), name)
+
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
             return
@@ -120,10 +126,7 @@ class DrafterCheckpoint(Callback):
         root = self.root(trainer)
         root.mkdir(parents=True, exist_ok=True)
         final = root / name
-        # A kill between the two renames below leaves only the old folder: put it back first.
-        previous = sorted(root.glob(f".tmp-{name}-old-*"))
-        if previous and not final.exists():
-            previous[-1].rename(final)
+        _recover(root, name)
         for stale in root.glob(f".tmp-{name}-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
@@ -157,3 +160,10 @@ class DrafterCheckpoint(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.best_value = state_dict.get("best_value")
         self.best_step = state_dict.get("best_step")
+
+
+def _recover(root: Path, name: str) -> None:
+    """A kill between the two renames of `_write` leaves only `.tmp-<name>-old-*`: put it back."""
+    previous = sorted(root.glob(f".tmp-{name}-old-*"))
+    if previous and not (root / name).exists():
+        previous[-1].rename(root / name)

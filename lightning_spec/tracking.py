@@ -69,6 +69,7 @@ class SpecMLFlowLogger(MLFlowLogger):
         tracking_uri: str | None = None,
         tags: dict[str, Any] | None = None,
         log_model: bool = False,
+        run_id: str | None = None,
     ) -> None:
         """
         Args:
@@ -78,6 +79,7 @@ class SpecMLFlowLogger(MLFlowLogger):
             tracking_uri: Explicit store URI; default `$MLFLOW_TRACKING_URI` or the SQLite file.
             tags: Extra run tags.
             log_model: Log Lightning checkpoints as artifacts (Lightning's option).
+            run_id: Continue this existing run (resuming a job) instead of starting one.
         """
         uri = tracking_uri or default_tracking_uri(run_dir)
         super().__init__(
@@ -87,6 +89,7 @@ class SpecMLFlowLogger(MLFlowLogger):
             tags=tags,
             log_model=log_model,
             artifact_location=default_artifact_location(run_dir, experiment_name, uri),
+            run_id=run_id,
         )
         self.run_dir = str(Path(run_dir).expanduser().resolve())
 
