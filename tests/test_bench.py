@@ -1,0 +1,384 @@
+"""bench: interleaved measurement of all methods on tiny targets, rows, files and the CLI.
+
+Tiny random targets built in code (no downloads). The slow tests at the end run the real
+SmolLM2 from the asset cache and skip when it is not cached.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_spec import bench
+from lightning_spec.decoding.engine import autoregressive_generate
+from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+from lightning_spec.models.drafters.standalone import StandaloneDrafter
+from lightning_spec.models.target import TargetModel
+from lightning_spec.models.tiny import tiny_config
+
+REQUIRED = (
+    "method",
+    "dataset",
+    "temperature",
+    "tau",
+    "tokens_per_second",
+    "speedup_vs_autoregressive",
+    "mismatches",
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    """Shared CPUs: one thread avoids OpenMP oversubscription (tiny models gain nothing)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_config(tiny_config("llama", num_layers=2), seed=11)
+
+
+def _prompts(count: int, seed: int = 0) -> list[tuple[list[int], dict]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(3, 128, (10,), generator=generator).tolist(),
+            {"id": f"p{i}", "category": "ab"[i % 2]},
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def self_result(target: TargetModel) -> dict:
+    drafter = StandaloneDrafter.from_model(target.model)
+    return bench.run_bench(
+        target,
+        drafter,
+        "chain:3",
+        {"toy": _prompts(3)},
+        max_new_tokens=17,
+        stop_on_eos=False,
+        warmup=1,
+        bootstrap_resamples=200,
+    )
+
+
+def test_self_drafter_is_lossless_and_commits_k_plus_one(self_result: dict) -> None:
+    rows = self_result["rows"]
+    # 4 methods x (overall + categories a and b)
+    assert len(rows) == 12
+    for row in rows:
+        assert all(key in row for key in bench.REQUIRED_ROW_KEYS)
+        assert all(key in row for key in REQUIRED)
+        assert row["mismatches"] == 0, row
+    for entry in self_result["per_prompt"]:
+        spec = entry["methods"]["speculative"]
+        assert spec["new_tokens"] == 17
+        # 16 tokens after the prefill's: 4 steps of k + 1 = 4 tokens
+        assert spec["accept_lengths"] == [3, 3, 3, 3]
+        assert spec["committed_by_verification"] == 16
+    overall = next(r for r in rows if r["method"] == "speculative" and r["category"] is None)
+    assert overall["tau"] == pytest.approx(4.0)
+    assert overall["tau_ci"] == pytest.approx([4.0, 4.0])
+    assert overall["alpha"] == pytest.approx([1.0, 1.0, 1.0])
+    assert overall["tree"] == "chain:3"
+    assert overall["speedup_vs_autoregressive"] > 0
+    assert overall["speedup_vs_hf_generate_ci"] is not None
+    autoregressive = next(r for r in rows if r["method"] == "autoregressive")
+    assert autoregressive["tau"] is None and autoregressive["alpha"] is None
+
+
+def test_methods_are_interleaved_and_the_order_recorded(self_result: dict) -> None:
+    orders = [entry["order"] for entry in self_result["per_prompt"]]
+    assert orders[0] == ["autoregressive", "hf_generate", "hf_prompt_lookup", "speculative"]
+    assert orders[1] == ["hf_generate", "hf_prompt_lookup", "speculative", "autoregressive"]
+    assert orders[2] == ["hf_prompt_lookup", "speculative", "autoregressive", "hf_generate"]
+    assert self_result["config"]["order"] == "rotate"
+    assert self_result["config"]["machine"]["torch_threads"] == 1
+
+
+def test_hf_methods_match_the_target_and_prompt_lookup_reports_tau(
+    target: TargetModel, self_result: dict
+) -> None:
+    for entry, (prompt, _) in zip(self_result["per_prompt"], _prompts(3), strict=True):
+        reference = autoregressive_generate(target, prompt, 17, stop_on_eos=False)
+        for method in ("autoregressive", "hf_generate", "hf_prompt_lookup", "speculative"):
+            assert entry["methods"][method]["tokens"] == reference, method
+        lookup = entry["methods"]["hf_prompt_lookup"]
+        assert 1 <= lookup["target_forwards"] <= 17
+    row = next(
+        r
+        for r in self_result["rows"]
+        if r["method"] == "hf_prompt_lookup" and r["category"] is None
+    )
+    assert row["tau"] >= 1.0 and "estimated" in row["tau_note"]
+
+
+def test_random_drafter_accepts_almost_nothing(target: TargetModel) -> None:
+    drafter = Eagle3Drafter.from_target(target, seed=3)
+    result = bench.run_bench(
+        target,
+        drafter,
+        "dynamic:3,3,8",
+        {"toy": _prompts(2, seed=1)},
+        methods=["autoregressive", "speculative"],
+        max_new_tokens=16,
+        stop_on_eos=False,
+        warmup=0,
+        bootstrap_resamples=200,
+    )
+    row = next(r for r in result["rows"] if r["method"] == "speculative" and r["category"] is None)
+    assert row["mismatches"] == 0
+    assert 1.0 <= row["tau"] < 1.5
+    assert row["speedup_vs_hf_generate"] is None  # not measured in this run
+
+
+def test_sampling_marks_mismatches_not_applicable(target: TargetModel) -> None:
+    drafter = StandaloneDrafter.from_model(target.model)
+    result = bench.run_bench(
+        target,
+        drafter,
+        "chain:2",
+        {"toy": _prompts(2, seed=2)},
+        temperature=0.8,
+        max_new_tokens=10,
+        stop_on_eos=False,
+        warmup=0,
+        bootstrap_resamples=100,
+    )
+    for row in result["rows"]:
+        assert row["mismatches"] is None and row["temperature"] == 0.8
+    for entry in result["per_prompt"]:
+        assert all(m["new_tokens"] == 10 for m in entry["methods"].values())
+
+
+def test_outputs_json_and_markdown(self_result: dict, tmp_path: Path) -> None:
+    json_path, md_path = bench.write_outputs(self_result, tmp_path / "out" / "bench.json")
+    loaded = json.loads(json_path.read_text())
+    assert loaded["rows"] == self_result["rows"]
+    assert md_path == tmp_path / "out" / "bench.md"
+    markdown = md_path.read_text()
+    assert "tokens committed per target verification" in markdown
+    assert "bonus" in markdown
+    assert markdown.count("| toy |") == 12
+
+
+def test_mismatch_detail_reports_position_and_top2_gap(target: TargetModel) -> None:
+    prompt = list(range(5, 15))
+    reference = autoregressive_generate(target, prompt, 8, stop_on_eos=False)
+    wrong = list(reference)
+    wrong[3] = (wrong[3] + 1) % 128
+    detail = bench.mismatch_detail(target, prompt, reference, wrong)
+    assert detail["position"] == 3
+    assert detail["expected"] == reference[3] and detail["got"] == wrong[3]
+    assert detail["top2_tokens"][0] == reference[3]
+    assert detail["top2_gap"] >= 0
+    assert bench.mismatch_detail(target, prompt, reference, list(reference)) is None
+    shorter = bench.mismatch_detail(target, prompt, reference, reference[:5])
+    assert shorter["position"] == 5 and shorter["got"] is None
+
+
+def _entry(index: int, category: str, ar_seconds: float, spec_seconds: float, mismatch=None):
+    common = {"new_tokens": 10, "tokens": [0] * 10}
+    return {
+        "dataset": "toy",
+        "index": index,
+        "id": f"p{index}",
+        "category": category,
+        "order": ["autoregressive", "speculative"],
+        "methods": {
+            "autoregressive": {**common, "seconds": ar_seconds, "mismatch": None},
+            "speculative": {
+                **common,
+                "seconds": spec_seconds,
+                "mismatch": mismatch,
+                "verifications": 3,
+                "committed_by_verification": 9,
+                "accept_lengths": [2, 2, 2],
+                "tree_depths": [2, 2, 2],
+            },
+        },
+    }
+
+
+def test_summarize_on_hand_made_prompts() -> None:
+    near_tie = {
+        "position": 4, "expected": 7, "got": 9, "top2_tokens": [7, 9],
+        "top2_logits": [1.0, 1.0], "top2_gap": 1e-6, "near_tie": True,
+    }  # fmt: skip
+    per_prompt = [
+        _entry(0, "a", 2.0, 1.0),  # speedup 2
+        _entry(1, "a", 3.0, 1.0, near_tie),  # speedup 3
+        _entry(2, "b", 1.0, 1.0),  # speedup 1
+    ]
+    rows = bench.summarize(
+        per_prompt, ["autoregressive", "speculative"], temperature=0.0, resamples=100
+    )
+    overall = next(r for r in rows if r["method"] == "speculative" and r["category"] is None)
+    assert overall["speedup_vs_autoregressive"] == pytest.approx(2.0)  # median of 2, 3, 1
+    assert overall["speedup_vs_autoregressive_total"] == pytest.approx(6.0 / 3.0)
+    assert overall["tau"] == pytest.approx(3.0)
+    assert overall["mismatches"] == 1
+    assert overall["mismatch_details"][0]["position"] == 4
+    category_a = next(r for r in rows if r["method"] == "speculative" and r["category"] == "a")
+    assert category_a["num_prompts"] == 2 and category_a["mismatches"] == 1
+    markdown = bench.to_markdown({"config": {}, "rows": rows, "per_prompt": per_prompt})
+    assert "Greedy mismatches" in markdown and "near tie" in markdown
+
+
+def test_stratified_selection_round_robins_categories() -> None:
+    class Conv:
+        def __init__(self, category: str) -> None:
+            self.meta = {"category": category}
+
+    conversations = [Conv(c) for c in "aaaabbbbcccc"]
+    chosen = bench._stratified(conversations, 5)
+    assert [c.meta["category"] for c in chosen] == ["a", "a", "b", "b", "c"]
+
+
+def test_busy_machine_is_flagged(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (40.0, 40.0, 40.0))
+    machine = bench.machine_info("fp32")
+    assert machine["busy"] and machine["load_average"][0] == 40.0
+    assert bench.warn_if_busy(machine)
+    assert "WARNING" in capsys.readouterr().err
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert not bench.machine_info("fp32")["busy"]
+
+
+# ------------------------------------------------------------------------------ the CLI
+def _tiny_folder(path: Path) -> Path:
+    """A tiny llama with a word-level tokenizer, saved like a hub model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {f"w{i}": i for i in range(4, 128)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>",
+    )  # fmt: skip
+    TargetModel.from_config(tiny_config("llama", num_layers=2), seed=5).model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cli_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("bench_cli")
+    folder = _tiny_folder(root / "tiny")
+    data = root / "prompts.jsonl"
+    lines = [
+        {"prompt": " ".join(f"w{(7 * i + j) % 120 + 4}" for j in range(8)), "category": "xy"[i % 2]}
+        for i in range(5)
+    ]
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return folder, data
+
+
+def test_cli_end_to_end(cli_inputs: tuple[Path, Path], tmp_path: Path) -> None:
+    folder, data = cli_inputs
+    output = tmp_path / "result.json"
+    code = bench.main(
+        [
+            "--target", str(folder), "--drafter", "self", "--drafter", f"bigram:{data}",
+            "--dataset", str(data), "--limit", "3", "--max-new-tokens", "9", "--tree", "chain:2",
+            "--threads", "1", "--warmup", "1", "--bootstrap", "100", "--no-progress",
+            "--output", str(output),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(output.read_text())
+    methods = {row["method"] for row in result["rows"]}
+    assert methods == {
+        "autoregressive", "hf_generate", "hf_prompt_lookup", "speculative:self",
+        "speculative:bigram:prompts.jsonl",
+    }  # fmt: skip
+    assert all(row["mismatches"] == 0 for row in result["rows"])
+    config = result["config"]
+    assert config["flags"]["threads"] == 1 and config["machine"]["torch_threads"] == 1
+    assert config["machine"]["cores"] >= 1 and "load_average" in config["machine"]
+    assert config["tree"] == "chain:2" and config["datasets"] == {"prompts": 3}
+    assert "commit" in config
+    assert output.with_suffix(".md").is_file()
+
+
+def test_cli_tree_auto(cli_inputs: tuple[Path, Path], tmp_path: Path) -> None:
+    folder, data = cli_inputs
+    output = tmp_path / "auto.json"
+    code = bench.main(
+        [
+            "--target", str(folder), "--drafter", "self", "--dataset", str(data),
+            "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--calibrate-prompts", "1",
+            "--methods", "autoregressive,speculative", "--threads", "1", "--warmup", "0",
+            "--bootstrap", "100", "--no-progress", "--output", str(output),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    config = json.loads(output.read_text())["config"]
+    assert config["tree"] == config["calibration"]["suggestion"]["policy"]
+
+
+# ------------------------------------------------------------------------------ real SmolLM2
+def _smollm2() -> TargetModel:
+    from lightning_spec.data.assets import AssetError, asset_path, default_target_path
+    from lightning_spec.models.target import load_target
+
+    try:
+        default_target_path(fetch_if_missing=False)
+        asset_path("mtbench", fetch_if_missing=False)
+    except (AssetError, FileNotFoundError) as error:
+        pytest.skip(f"SmolLM2 / MT-Bench not cached: {error}")
+    return load_target("smollm2")
+
+
+@pytest.mark.slow
+def test_smollm2_self_drafter_chain4() -> None:
+    torch.set_num_threads(2)
+    target = _smollm2()
+    _, prompts = bench.load_prompts("mtbench", target.tokenizer, 3)
+    drafter = StandaloneDrafter.from_model(target.model)
+    result = bench.run_bench(
+        target,
+        drafter,
+        "chain:4",
+        {"mtbench": prompts},
+        methods=["autoregressive", "speculative"],
+        max_new_tokens=32,
+        warmup=0,
+        bootstrap_resamples=200,
+    )
+    for entry in result["per_prompt"]:
+        lengths = entry["methods"]["speculative"]["accept_lengths"]
+        assert lengths[:-1] == [4] * (len(lengths) - 1)
+    for row in result["rows"]:
+        assert row["mismatches"] == 0, row.get("mismatch_details")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tree", ["chain:4", "static:small", "dynamic:5,8,32"])
+def test_smollm2_random_drafter_is_lossless(tree: str) -> None:
+    torch.set_num_threads(2)
+    target = _smollm2()
+    _, prompts = bench.load_prompts("mtbench", target.tokenizer, 3)
+    drafter = Eagle3Drafter.from_target(target, seed=0)
+    result = bench.run_bench(
+        target,
+        drafter,
+        tree,
+        {"mtbench": prompts},
+        methods=["speculative"],
+        max_new_tokens=64,
+        warmup=0,
+        bootstrap_resamples=200,
+    )
+    for row in result["rows"]:
+        assert row["mismatches"] == 0, row.get("mismatch_details")
