@@ -179,9 +179,18 @@ class SpeculativeDecoder:
         greedy_verifier: GreedyVerifier | None = None,
         keep_target_probs: bool = False,
         eos_token_ids: Sequence[int] | None = None,
+        use_kernels: bool = False,
     ) -> None:
+        """`use_kernels` routes the target's tree forward through the Triton tree-attention
+        kernel and greedy verification through the fused tree-verify kernel (GPU, or CPU under
+        TRITON_INTERPRET=1); it switches the target model's attention implementation."""
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
+        if use_kernels:
+            from lightning_spec.decoding.fast_path import enable_tree_attention, triton_greedy_verifier
+
+            enable_tree_attention(target.model)
+            greedy_verifier = greedy_verifier or triton_greedy_verifier
         self.target = target
         self.drafter = drafter
         self.policy = policy

@@ -20,6 +20,9 @@ from lightning_spec.models.cache import cache_kwarg, cache_length
 
 log = logging.getLogger(__name__)
 
+#: Name under which `lightning_spec.decoding.fast_path` registers the Triton tree attention.
+TREE_ATTENTION_IMPL = "lightning_spec_tree"
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -199,6 +202,10 @@ class TargetModel(nn.Module):
         # Frozen: Lightning calls .train() on the whole module tree; dropout must stay off.
         return super().train(False)
 
+    def _kernel_can_take(self, tree_mask: Tensor, past: int) -> bool:
+        implementation = getattr(self.model.config, "_attn_implementation", None)
+        return implementation == TREE_ATTENTION_IMPL and bool(tree_mask[..., :past].all())
+
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(
@@ -226,6 +233,12 @@ class TargetModel(nn.Module):
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
             position_ids = position_ids.unsqueeze(0).expand(input_ids.shape[0], -1)
         mask = attention_mask
+        extra: dict[str, object] = {}
+        if tree_mask is not None and self._kernel_can_take(tree_mask, past):
+            # The Triton kernel reads the block mask over the new tokens; every new token
+            # attends the whole cache, which is what the kernel assumes.
+            extra["tree_block_mask"] = tree_mask[..., past:].to(input_ids.device)
+            tree_mask = None
         if tree_mask is not None:
             if attention_mask is not None:
                 raise ValueError("pass either attention_mask or tree_mask, not both")
@@ -245,6 +258,7 @@ class TargetModel(nn.Module):
             use_cache=use_cache,
             output_hidden_states=True,
             logits_to_keep=logits_to_keep,
+            **extra,
             **(cache_kwarg(self.model, cache) if use_cache else {}),
         )
         hidden_states = outputs.hidden_states
