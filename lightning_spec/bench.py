@@ -294,6 +294,8 @@ class MethodResult:
     committed: int | None = None
     accept_lengths: list[int] = field(default_factory=list)
     tree_depths: list[int] = field(default_factory=list)
+    split: dict[str, float] = field(default_factory=dict)
+    """Seconds by phase (prefill, draft, verify, update) for the speculative decoder."""
 
 
 class _ForwardCounter:
@@ -316,17 +318,21 @@ def _sync(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _no_model_eos(model: torch.nn.Module, active: bool) -> Iterator[None]:
-    """HF falls back to the model's own EOS when ours is None: hide it to decode past EOS."""
-    if not active:
-        yield
-        return
-    saved = model.generation_config.eos_token_id
-    model.generation_config.eos_token_id = None
+def _plain_generation_defaults(model: torch.nn.Module) -> Iterator[None]:
+    """Swap the model's generation config for an empty one during our `generate` call.
+
+    HF fills every field we leave at its default from the model's own generation config: a
+    checkpoint shipping ``repetition_penalty`` or ``do_sample=True`` would silently change the
+    "greedy" baseline, and an EOS we leave unset would come back. Nothing leaks this way.
+    """
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
     try:
         yield
     finally:
-        model.generation_config.eos_token_id = saved
+        model.generation_config = saved
 
 
 class _Runner:
@@ -392,9 +398,14 @@ class _Runner:
             )
             _sync(device)
             seconds = time.perf_counter() - tic
+            split = {"prefill": result.prefill_seconds}
+            for record in result.records:
+                for phase, value in record.timings.items():
+                    split[phase] = split.get(phase, 0.0) + value
             return MethodResult(
                 result.tokens,
                 seconds,
+                split=split,
                 steps=len(result.records),
                 committed=sum(len(r.committed) for r in result.records),
                 accept_lengths=[int(r.accept_length) for r in result.records],
@@ -425,7 +436,7 @@ class _Runner:
         torch.manual_seed(self.seed + index)  # HF samples from the global generator
         counter = _ForwardCounter(model)
         try:
-            with _no_model_eos(model, not self.stop_on_eos):
+            with _plain_generation_defaults(model):
                 tic = time.perf_counter()
                 output = model.generate(
                     ids, attention_mask=torch.ones_like(ids), generation_config=config
@@ -465,13 +476,20 @@ def mismatch_detail(
     top = logits.topk(2)
     gap = float(top.values[0] - top.values[1])
     tolerance = 1e-3 if target.dtype == torch.float32 else 0.25
+    expected = reference[position] if position < len(reference) else None
+    got = output[position] if position < len(output) else None
     return {
         "position": position,
-        "expected": reference[position] if position < len(reference) else None,
-        "got": output[position] if position < len(output) else None,
+        "expected": expected,
+        "got": got,
         "top2_tokens": [int(t) for t in top.indices.tolist()],
         "top2_logits": [float(v) for v in top.values.tolist()],
         "top2_gap": gap,
+        "expected_minus_got_logit": (
+            float(logits[expected] - logits[got])
+            if expected is not None and got is not None
+            else None
+        ),
         "near_tie": gap < tolerance,
     }
 
@@ -649,6 +667,7 @@ def _result_entry(result: MethodResult, detail: dict[str, Any] | None, greedy: b
         entry["tau"] = result.committed / result.steps if result.steps else None
         entry["accept_lengths"] = result.accept_lengths
         entry["tree_depths"] = result.tree_depths
+        entry["seconds_by_phase"] = {k: round(v, 6) for k, v in result.split.items()}
     return entry
 
 
@@ -805,6 +824,15 @@ def _row(
     row["seconds"] = sum(seconds)
     if speculative:
         row["verifications"] = sum(r["verifications"] for r in results)
+        phases: dict[str, float] = {}
+        for result in results:
+            for phase, value in (result.get("seconds_by_phase") or {}).items():
+                phases[phase] = phases.get(phase, 0.0) + value
+        phases["other"] = max(row["seconds"] - sum(phases.values()), 0.0)
+        # Where the time goes (everything is charged: drafting, verification, bookkeeping).
+        row["time_fraction"] = {
+            k: round(v / row["seconds"], 4) if row["seconds"] else None for k, v in phases.items()
+        }
     return row
 
 
@@ -892,11 +920,26 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def dumps_result(result: dict[str, Any]) -> str:
+    """Strict JSON (no NaN): config and rows indented, one line per prompt so the raw file
+    stays small enough to commit next to BENCHMARKS.md and diffs line up by prompt."""
+    result = _clean(result)
+    parts = []
+    for key, value in result.items():
+        if key == "per_prompt":
+            lines = ",\n".join("    " + json.dumps(entry, allow_nan=False) for entry in value)
+            body = "[\n" + lines + "\n  ]" if value else "[]"
+        else:
+            body = json.dumps(value, indent=2, allow_nan=False).replace("\n", "\n  ")
+        parts.append(f"  {json.dumps(key)}: {body}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
 def write_outputs(result: dict[str, Any], output: str | Path) -> tuple[Path, Path]:
     """Write the JSON and, next to it, the markdown table (same name, .md)."""
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(result), indent=2, allow_nan=False) + "\n")
+    path.write_text(dumps_result(result))
     markdown = path.with_suffix(".md")
     markdown.write_text(to_markdown(result))
     return path, markdown

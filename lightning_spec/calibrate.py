@@ -77,6 +77,7 @@ __all__ = [
     "interpolate_cost",
     "main",
     "measure_acceptance",
+    "measure_autoregressive_step",
     "measure_verify_cost",
     "rank_paths",
     "step_seconds",
@@ -129,6 +130,28 @@ def measure_verify_cost(
             if round_index >= warmup:
                 samples[n].append(elapsed)
     return {n: float(statistics.median(values)) for n, values in samples.items()}
+
+
+@torch.no_grad()
+def measure_autoregressive_step(
+    target: Any, context: int = 256, repeats: int = 20, *, warmup: int = 3, seed: int = 0
+) -> float:
+    """Median seconds of one plain decoding step (one token, no tree mask) after `context`
+    cached tokens: the unit of the speedup, as `autoregressive_generate` runs it."""
+    generator = torch.Generator().manual_seed(seed)
+    device = target.device
+    prompt = torch.randint(0, target.vocab_size, (1, max(context, 1)), generator=generator)
+    cache = target(prompt.to(device), output_features=False).cache
+    samples = []
+    for index in range(warmup + repeats):
+        token = torch.randint(0, target.vocab_size, (1, 1), generator=generator).to(device)
+        tic = time.perf_counter()
+        target(token, cache=cache, output_features=False)
+        elapsed = time.perf_counter() - tic
+        truncate_cache(cache, context)
+        if index >= warmup:
+            samples.append(elapsed)
+    return float(statistics.median(samples))
 
 
 def interpolate_cost(cost_curve: dict[int, float], tokens: int) -> float:
@@ -468,16 +491,18 @@ def expected_speedup(
     cost_curve: dict[int, float],
     draft_cost_per_depth: float | Sequence[float],
     overhead: float = 0.0,
+    autoregressive_seconds: float | None = None,
 ) -> float:
     """speedup = E[tokens per step] / (time per step / time of one autoregressive step).
 
     `policy` is a policy, a spec string or an explicit list of rank paths; `acceptance` an
     `AcceptanceProfile` or per-depth alpha (the best-path approximation for trees); one
-    autoregressive step costs `cost_curve` at 1 token. See the module docstring.
+    autoregressive step costs `autoregressive_seconds` (measured by
+    `measure_autoregressive_step`), else `cost_curve` at 1 token. See the module docstring.
     """
     tokens = expected_tokens_per_step(policy, acceptance)
     seconds = step_seconds(policy, cost_curve, draft_cost_per_depth, overhead, acceptance)
-    autoregressive = interpolate_cost(cost_curve, 1)
+    autoregressive = autoregressive_seconds or interpolate_cost(cost_curve, 1)
     return tokens / (seconds / autoregressive)
 
 
@@ -499,15 +524,17 @@ def suggest_policy(
     draft_cost_per_depth: float | Sequence[float],
     candidates: Sequence[str] | None = None,
     overhead: float = 0.0,
+    autoregressive_seconds: float | None = None,
 ) -> tuple[str, float, list[dict[str, Any]]]:
     """(best spec, its expected speedup, table of every candidate, best first)."""
     profile = _as_profile(acceptance)
+    autoregressive = autoregressive_seconds or interpolate_cost(cost_curve, 1)
     table = []
     for spec in candidates or candidate_policies():
         paths = rank_paths(spec, profile)
         tokens = expected_tokens_per_step(paths, profile)
         seconds = step_seconds(spec, cost_curve, draft_cost_per_depth, overhead, profile)
-        speedup = tokens / (seconds / interpolate_cost(cost_curve, 1))
+        speedup = tokens / (seconds / autoregressive)
         table.append(
             {
                 "policy": spec,
@@ -543,14 +570,21 @@ def calibrate(
     """Cost curve + acceptance profile + suggestion, as one JSON-ready dict."""
     tic = time.perf_counter()
     curve = measure_verify_cost(target, sizes, context, repeats, seed=seed)
+    step = measure_autoregressive_step(target, context, seed=seed)
     profile = measure_acceptance(
         target, drafter, prompts, depth=depth, ranks=ranks, max_new_tokens=max_new_tokens
     )
     spec, speedup, table = suggest_policy(
-        profile, curve, profile.draft_seconds_per_depth, candidates, profile.overhead_seconds
+        profile,
+        curve,
+        profile.draft_seconds_per_depth,
+        candidates,
+        profile.overhead_seconds,
+        autoregressive_seconds=step,
     )
     return {
         "cost_curve": {str(n): s for n, s in curve.items()},
+        "autoregressive_step_seconds": step,
         "context": context,
         "repeats": repeats,
         "acceptance": profile.to_dict(),
@@ -573,7 +607,12 @@ def suggestion_from_calibration(
     curve = {int(n): float(s) for n, s in data["cost_curve"].items()}
     profile = AcceptanceProfile.from_dict(data["acceptance"])
     return suggest_policy(
-        profile, curve, profile.draft_seconds_per_depth, candidates, profile.overhead_seconds
+        profile,
+        curve,
+        profile.draft_seconds_per_depth,
+        candidates,
+        profile.overhead_seconds,
+        autoregressive_seconds=data.get("autoregressive_step_seconds"),
     )
 
 
@@ -591,6 +630,11 @@ def format_report(result: dict[str, Any], top: int = 10) -> str:
         "| x one token | " + " | ".join(f"{s / one:.2f}" for s in curve.values()) + " |",
         "",
     ]
+    step = result.get("autoregressive_step_seconds")
+    if step:
+        lines += [f"One plain autoregressive step (no tree mask): {1000 * step:.1f} ms.", ""]
+    if "acceptance" not in result:
+        return "\n".join(lines)
     acceptance = result["acceptance"]
     alpha = acceptance.get("alpha") or []
     lines += [
@@ -692,11 +736,13 @@ def main(argv: list[str] | None = None) -> int:
         result: dict[str, Any] = {
             "config": config,
             "cost_curve": {str(n): s for n, s in curve.items()},
+            "autoregressive_step_seconds": measure_autoregressive_step(
+                target, args.context, seed=args.seed
+            ),
+            "context": args.context,
+            "repeats": args.repeats,
         }
-        one = curve[min(curve)]
-        print(f"Verification cost after {args.context} cached tokens (median of {args.repeats}):")
-        for n, seconds in curve.items():
-            print(f"  N={n:>3}: {1000 * seconds:8.1f} ms  ({seconds / one:.2f}x)")
+        print(format_report(result))
     else:
         drafter = bench.resolve_drafter(
             args.drafter,
@@ -726,7 +772,6 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
-        if "table" in result:
-            path.with_suffix(".md").write_text(format_report(result) + "\n")
+        path.with_suffix(".md").write_text(format_report(result) + "\n")
         print(f"wrote {path}", file=sys.stderr)
     return 0

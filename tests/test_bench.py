@@ -89,6 +89,8 @@ def test_self_drafter_is_lossless_and_commits_k_plus_one(self_result: dict) -> N
     assert overall["tau_ci"] == pytest.approx([4.0, 4.0])
     assert overall["alpha"] == pytest.approx([1.0, 1.0, 1.0])
     assert overall["tree"] == "chain:3"
+    assert set(overall["time_fraction"]) >= {"prefill", "draft", "verify", "update", "other"}
+    assert sum(overall["time_fraction"].values()) == pytest.approx(1.0, abs=1e-3)
     assert overall["speedup_vs_autoregressive"] > 0
     assert overall["speedup_vs_hf_generate_ci"] is not None
     autoregressive = next(r for r in rows if r["method"] == "autoregressive")
@@ -119,6 +121,25 @@ def test_hf_methods_match_the_target_and_prompt_lookup_reports_tau(
         if r["method"] == "hf_prompt_lookup" and r["category"] is None
     )
     assert row["tau"] >= 1.0 and "estimated" in row["tau_note"]
+
+
+def test_hf_baseline_ignores_the_model_generation_defaults(target: TargetModel) -> None:
+    """A checkpoint's sampling / repetition-penalty defaults must not leak into the baseline."""
+    prompt = list(range(5, 15))
+    reference = autoregressive_generate(target, prompt, 10, stop_on_eos=False)
+    defaults = target.model.generation_config
+    target.model.generation_config = type(defaults)(
+        do_sample=True, temperature=5.0, repetition_penalty=3.0, eos_token_id=reference[2]
+    )
+    try:
+        runner = bench._Runner(
+            target, {}, None, max_new_tokens=10, temperature=0.0, seed=0, stop_on_eos=False,
+            prompt_lookup_num_tokens=4, max_matching_ngram_size=2,
+        )  # fmt: skip
+        assert runner.run("hf_generate", prompt, 0).tokens == reference
+        assert runner.run("hf_prompt_lookup", prompt, 0).tokens == reference
+    finally:
+        target.model.generation_config = defaults
 
 
 def test_random_drafter_accepts_almost_nothing(target: TargetModel) -> None:
@@ -342,7 +363,6 @@ def _smollm2() -> TargetModel:
 
 @pytest.mark.slow
 def test_smollm2_self_drafter_chain4() -> None:
-    torch.set_num_threads(2)
     target = _smollm2()
     _, prompts = bench.load_prompts("mtbench", target.tokenizer, 3)
     drafter = StandaloneDrafter.from_model(target.model)
@@ -366,7 +386,6 @@ def test_smollm2_self_drafter_chain4() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", ["chain:4", "static:small", "dynamic:5,8,32"])
 def test_smollm2_random_drafter_is_lossless(tree: str) -> None:
-    torch.set_num_threads(2)
     target = _smollm2()
     _, prompts = bench.load_prompts("mtbench", target.tokenizer, 3)
     drafter = Eagle3Drafter.from_target(target, seed=0)

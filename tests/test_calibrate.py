@@ -43,6 +43,11 @@ def test_expected_speedup_on_hand_made_numbers() -> None:
     # overhead 1 ms -> 0.096 s per step = 1.92 autoregressive steps; 2.3 tokens per step
     speedup = calibrate.expected_speedup("chain:3", [0.8, 0.5, 0.25], curve, 0.005, overhead=0.001)
     assert speedup == pytest.approx(2.3 / (0.096 / 0.050))
+    # a measured plain autoregressive step (40 ms) is the unit when given
+    measured = calibrate.expected_speedup(
+        "chain:3", [0.8, 0.5, 0.25], curve, 0.005, overhead=0.001, autoregressive_seconds=0.040
+    )
+    assert measured == pytest.approx(2.3 / (0.096 / 0.040))
     # per-depth draft costs: 2 + 3 + 4 ms
     seconds = calibrate.step_seconds("chain:3", curve, [0.002, 0.003, 0.004])
     assert seconds == pytest.approx(0.080 + 0.009)
@@ -162,3 +167,19 @@ def test_calibrate_cli_wiring(
     # bench --tree auto can reuse this file
     spec, _, _ = calibrate.suggestion_from_calibration(result)
     assert spec == result["suggestion"]["policy"]
+
+
+def test_calibrate_cli_cost_curve_only(
+    target: TargetModel, monkeypatch: pytest.MonkeyPatch, tmp_path, capsys
+) -> None:
+    monkeypatch.setattr(bench, "load_bench_target", lambda spec, dtype: target)
+    output = tmp_path / "cost.json"
+    code = calibrate.main(
+        ["--sizes", "1,3", "--context", "8", "--repeats", "1", "--threads", "1",
+         "--output", str(output)]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(output.read_text())
+    assert set(result["cost_curve"]) == {"1", "3"} and result["autoregressive_step_seconds"] > 0
+    assert "| N | 1 | 3 |" in output.with_suffix(".md").read_text()
+    assert "One plain autoregressive step" in capsys.readouterr().out
