@@ -18,7 +18,6 @@ benchmark (MEASURING.md): `bench` reports intervals.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
@@ -155,7 +154,7 @@ class AcceptanceEval(Callback):
         tokens_per_step = float(counts[0] / counts[1]) if counts[1] > 0 else float("nan")
         metrics = {"val/tau": tau, "val/tokens_per_step": tokens_per_step}
         for depth, value in enumerate(alphas, start=1):
-            metrics[f"val/alpha_{depth}"] = value if math.isfinite(value) else 0.0
+            metrics[f"val/alpha_{depth}"] = value  # NaN: depth never reached
         for key, value in metrics.items():
             pl_module.log(key, value, sync_dist=False)
         self.history.append(

@@ -38,8 +38,14 @@ def test_artifact_location_is_under_the_run_parent(tmp_path: Path) -> None:
 
 
 def test_logger_carries_the_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    seen: dict = {}
+    # Record what reaches Lightning's logger (creating the real one opens the SQLite store).
+    monkeypatch.setattr(MLFlowLogger, "__init__", lambda self, **kwargs: seen.update(kwargs))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     logger = SpecMLFlowLogger(experiment_name="e", run_dir=str(tmp_path / "runs" / "r1"))
-    assert logger._tracking_uri == f"sqlite:///{tmp_path}/runs/mlflow.db"
-    assert logger._artifact_location == (tmp_path / "runs" / "mlartifacts" / "e").as_uri()
-    assert logger._run_name == "r1"
+    assert seen["tracking_uri"] == f"sqlite:///{tmp_path}/runs/mlflow.db"
+    assert seen["artifact_location"] == (tmp_path / "runs" / "mlartifacts" / "e").as_uri()
+    assert seen["run_name"] == "r1" and seen["experiment_name"] == "e"
+    assert logger.run_dir == str(tmp_path / "runs" / "r1")

@@ -359,3 +359,63 @@ def test_draft_token_counts_from_assistant_turns(
     monkeypatch.setattr("lightning_spec.data.sources.load_source", no_reading)
     again = sft.draft_token_counts(target, source=str(data), conversations=2, cache_dir=tmp_path)
     assert torch.equal(again, counts)
+
+
+# ------------------------------------------------------------------------------------ two ranks
+
+
+class SpawnSafeSFT(EagleSFT):
+    """EagleSFT that re-registers the target's output recorders in a spawned process.
+
+    transformers 5.24 records which outputs a model class can capture in a registry filled by
+    the model's __init__; a model unpickled in a fresh process (ddp_spawn) is not in it and
+    returns no hidden states. The fix belongs in TargetModel (a __setstate__ doing this).
+    """
+
+    def setup(self, stage: str) -> None:
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+        for module in self.target.modules():
+            if isinstance(module, PreTrainedModel):
+                _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+
+
+@pytest.mark.slow
+def test_ddp_spawn_two_ranks_agree_with_one_process(target: TargetModel, tmp_path: Path) -> None:
+    """Two CPU ranks (gloo): training runs, prompts are sharded, and the summed acceptance
+    metrics equal one process decoding every prompt with the same drafter."""
+    prompts = [[5, 9, 14, 3, 22], [40, 41, 42], [7, 8, 9, 10]]  # 2 + 1 over two ranks
+    module = SpawnSafeSFT.from_objects(target, _drafter(target), ttt_steps=2, warmup_steps=1)
+    evaluator = AcceptanceEval(num_prompts=3, max_new_tokens=6, tree="chain:2")
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=2,
+        max_epochs=1,
+        logger=False,
+        num_sanity_val_steps=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[evaluator],
+    )
+    batch = _batch()
+    trainer.fit(module, datamodule=TinyData(batch, prompts=prompts))
+    # Each rank gets one of the two batches (one step); train/tokens sums both ranks.
+    per_batch = int(sft.ttt_loss_masks(batch["loss_mask"], steps=1).sum())
+    assert float(trainer.callback_metrics["train/tokens"]) == 2 * per_batch
+    # ddp_spawn hands rank 0's weights and logged metrics back to this process.
+    single = AcceptanceEval(num_prompts=3, max_new_tokens=6, tree="chain:2")
+    result = single.evaluate(module, prompts)
+    assert float(trainer.callback_metrics["val/tau"]) == pytest.approx(
+        float(result["tau"].compute())
+    )
+    alphas = result["alpha"].compute().tolist()
+    for depth, value in enumerate(alphas, start=1):
+        logged = float(trainer.callback_metrics[f"val/alpha_{depth}"])
+        assert logged == pytest.approx(value, nan_ok=True)
+    tokens_per_step = result["new_tokens"] / result["forwards"]
+    assert float(trainer.callback_metrics["val/tokens_per_step"]) == pytest.approx(tokens_per_step)
