@@ -16,6 +16,10 @@ from collections.abc import Sequence
 # name -> (module with `main(argv) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "assets": ("lightning_spec.data.assets", "fetch and cache the default target and datasets"),
+    "generate": (
+        "lightning_spec.generate_cli",
+        "answer one prompt with speculative decoding (tau, greedy check)",
+    ),
     "bench": ("lightning_spec.bench", "measure tau and speedup against baselines, side by side"),
     "calibrate": (
         "lightning_spec.calibrate",
