@@ -145,7 +145,7 @@ def load_drafter(folder: str | Path, *, device: str | torch.device = "cpu") -> D
     from safetensors.torch import load_file
 
     # Import the implementations so they register themselves.
-    from lightning_spec.models.drafters import eagle3, standalone  # noqa: F401
+    from lightning_spec.models.drafters import bigram, eagle3, standalone  # noqa: F401
 
     folder = Path(folder)
     config_path = folder / CONFIG_NAME
