@@ -69,7 +69,9 @@ __all__ = [
     "EagleSFT",
     "WarmupCosine",
     "draft_token_counts",
+    "eagle_ttt_losses",
     "ttt_attention_mask",
+    "ttt_labels",
     "ttt_loss_masks",
     "ttt_unroll",
 ]
@@ -159,28 +161,42 @@ class TTTResult:
     tokens: int
 
 
+def _draft_ids(drafter: Drafter) -> Tensor | None:
+    """Target ids of the draft vocabulary [V_draft], None when it is the target's."""
+    if getattr(drafter, "draft_vocab_size", drafter.target_vocab_size) == drafter.target_vocab_size:
+        return None
+    return draft_to_target_ids(drafter.d2t)
+
+
+def ttt_labels(drafter: Drafter, *, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Soft labels [B, T-1, V_draft] and target argmax ids [B, T-1] of the drafter entries.
+
+    target_logits [B, T, V] (full vocabulary); row j predicts x_{j+1}, the label of the entry
+    at position j (entry j - 1). Callers drop the full logits afterwards: at T = 2048 and
+    V = 49k they are 400 MB per sequence in float32.
+    """
+    rows = target_logits[:, 1:]  # [B, L, V]
+    label_logits = losses.restrict_to_draft_vocab(target_logits=rows, draft_ids=_draft_ids(drafter))
+    return torch.softmax(label_logits.float(), dim=-1), rows.argmax(dim=-1)
+
+
 def eagle_ttt_losses(
     drafter: Drafter,
     *,
     input_ids: Tensor,
     features: Tensor,
-    target_logits: Tensor,
+    target_probs: Tensor,
+    target_argmax: Tensor,
     loss_mask: Tensor,
     steps: int,
     decay: float,
 ) -> TTTResult:
-    """The EAGLE-3 TTT objective on one batch (target outputs already computed).
+    """The EAGLE-3 TTT objective on one batch, given the target's labels (`ttt_labels`).
 
-    input_ids/loss_mask [B, T], features [B, T, F], target_logits [B, T, V] (full vocabulary).
+    input_ids/loss_mask [B, T], features [B, T, F], target_probs [B, T-1, V_draft],
+    target_argmax [B, T-1] (target ids).
     """
-    draft_ids = None
-    if getattr(drafter, "draft_vocab_size", drafter.target_vocab_size) != drafter.target_vocab_size:
-        draft_ids = draft_to_target_ids(drafter.d2t)  # [V_draft]
-    rows = target_logits[:, 1:]  # [B, L, V] row j predicts x_{j+1}
-    target_argmax = rows.argmax(dim=-1)  # [B, L] target ids
-    label_logits = losses.restrict_to_draft_vocab(target_logits=rows, draft_ids=draft_ids)
-    target_probs = torch.softmax(label_logits.float(), dim=-1)  # [B, L, V_draft]
-    del rows, label_logits
+    draft_ids = _draft_ids(drafter)
     masks = ttt_loss_masks(loss_mask, steps=steps)  # [K, B, L]
     outputs = ttt_unroll(drafter, input_ids=input_ids, features=features, steps=steps)
     step_losses, step_accuracy = [], []
@@ -424,11 +440,14 @@ class EagleSFT(LightningModule):
                 )
             loss_mask = loss_mask * attention
         features, target_logits = self._target_outputs(batch)
+        target_probs, target_argmax = ttt_labels(self.drafter, target_logits=target_logits)
+        del target_logits  # the full-vocabulary logits are the largest tensor of the step
         return eagle_ttt_losses(
             self.drafter,
             input_ids=input_ids,
             features=features,
-            target_logits=target_logits,
+            target_probs=target_probs,
+            target_argmax=target_argmax,
             loss_mask=loss_mask,
             steps=int(self.hparams.ttt_steps),
             decay=float(self.hparams.ttt_decay),
