@@ -1,0 +1,481 @@
+"""``lightning-spec export``: ship a trained EAGLE-3 drafter folder as ONNX (and TensorRT).
+
+The output folder::
+
+    drafter/            the HF-style EAGLE-3 folder, copied byte for byte (SGLang/vLLM names)
+    fc.onnx             target features -> drafter hidden
+    drafter_step.onnx   one drafter step with the KV cache as inputs/outputs
+    tree_verify.onnx    greedy tree verification (pointer jumping, no data-dependent shapes)
+    manifest.json       files + sha256, graph signatures with dynamic dims, opset, tolerances,
+                        parity numbers, TensorRT-compatibility reports, TensorRT build summary
+    tensorrt/           (with --tensorrt) engines, engine_manifest.json, timing.cache
+
+Every graph is checked with ``onnx.checker`` (full check), against TensorRT's parser support
+matrix (`trt_compat`) and against PyTorch through onnxruntime (`parity`). With ``--target`` the
+parity also runs on real target features and through the `SpeculativeDecoder` end to end.
+Everything is logged to MLflow as artifacts when ``--mlflow-run-id`` is given, a run is active
+or ``MLFLOW_TRACKING_URI`` is set.
+
+Exit codes: 0 success; 1 parity failure (or TensorRT-compatibility errors with
+``--strict-compat``); 2 bad arguments or an unusable drafter folder; 3 ``--tensorrt`` asked for
+but TensorRT or a CUDA device is missing (the ONNX export is complete and the message names the
+missing piece); 4 the TensorRT build or the engine parity failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_PARITY, EXIT_USAGE, EXIT_NO_TENSORRT, EXIT_TENSORRT_FAILED = 0, 1, 2, 3, 4
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "lightning-spec-export"
+MANIFEST_VERSION = 1
+MLFLOW_ARTIFACT_PATH = "export"
+DEFAULT_EXPERIMENT = "lightning-spec-export"
+
+
+class ExportError(RuntimeError):
+    """An export step failed; `exit_code` says how the CLI reports it."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_PARITY) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _copy_folder(source: Path, destination: Path) -> list[Path]:
+    """Copy the regular files of `source` (top level) into `destination`, atomically each."""
+    destination.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for path in sorted(source.iterdir()):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        tmp = destination / f".{path.name}.tmp"
+        shutil.copy2(path, tmp)
+        tmp.replace(destination / path.name)
+        copied.append(destination / path.name)
+    return copied
+
+
+def _file_records(root: Path) -> list[dict[str, Any]]:
+    records = []
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not path.name.startswith(".") and path.name != MANIFEST_NAME:
+            records.append(
+                {
+                    "path": path.relative_to(root).as_posix(),
+                    "sha256": _sha256(path),
+                    "bytes": path.stat().st_size,
+                }
+            )
+    return records
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as metadata
+
+    versions = {}
+    for package in ("lightning-spec", "torch", "onnx", "onnxruntime", "onnxscript", "transformers"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = "not installed"
+    return versions
+
+
+def _load_target_inputs(target_spec: str, drafter: Any) -> tuple[Any, Any, Any, list[list[int]]]:
+    """The target, real features [1, L, F] with their ids, and prompts for decode parity."""
+    import torch
+
+    from lightning_spec.models.target import TargetModel
+
+    target = TargetModel.from_pretrained(target_spec)
+    if target.vocab_size != drafter.target_vocab_size:
+        raise ExportError(
+            f"--target has a vocabulary of {target.vocab_size}, the drafter maps onto "
+            f"{drafter.target_vocab_size}: not the drafter's target",
+            EXIT_USAGE,
+        )
+    texts = [
+        "Explain why the sky is blue in two sentences.",
+        "Write a haiku about compilers.",
+    ]
+    prompts = []
+    for text in texts:
+        if target.tokenizer is not None:
+            ids = target.tokenizer(text)["input_ids"]
+        else:
+            generator = torch.Generator().manual_seed(len(prompts))
+            ids = torch.randint(3, target.vocab_size, (12,), generator=generator).tolist()
+        prompts.append([int(i) for i in ids])
+    ids = torch.tensor([prompts[0]])
+    output = target(ids, use_cache=False)
+    # EAGLE alignment: token t_j is read with the feature of t_{j-1}.
+    return target, output.features[:, :-1], ids[:, 1:], prompts
+
+
+def export_package(
+    drafter_dir: str | Path,
+    output_dir: str | Path,
+    *,
+    opset: int = 18,
+    max_tree_nodes: int = 1024,
+    target: str | None = None,
+    tensorrt: bool = False,
+    precision: str = "fp32",
+    dim_ranges: dict[str, Any] | None = None,
+    timing_cache: str | Path | None = None,
+    strict_compat: bool = False,
+    mlflow_run_id: str | None = None,
+    tolerances: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """Run the whole export (see the module docstring); return the manifest.
+
+    Raises `ExportError` with the CLI exit code when a step fails; the manifest written so far
+    stays on disk for inspection.
+    """
+    import onnx
+    from lightning_spec.export import parity
+    from lightning_spec.export.onnx import export_drafter, export_ready
+    from lightning_spec.export.trt_compat import check_trt_compat
+    from lightning_spec.export.verify_graph import VERIFY_FILE, export_verify_graph
+
+    from lightning_spec.models.drafters.base import load_drafter
+    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+
+    drafter_dir, output_dir = Path(drafter_dir), Path(output_dir)
+    try:
+        drafter = load_drafter(drafter_dir)
+    except (FileNotFoundError, ValueError) as error:
+        raise ExportError(f"cannot load drafter: {error}", EXIT_USAGE) from error
+    if not isinstance(drafter, Eagle3Drafter):
+        raise ExportError(
+            f"{drafter_dir} holds a {drafter.drafter_type!r} drafter; ONNX export supports "
+            "EAGLE-3 drafters",
+            EXIT_USAGE,
+        )
+    tolerances = dict(tolerances or parity.DEFAULT_TOLERANCES)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    _copy_folder(drafter_dir, output_dir / parity.DRAFTER_FOLDER)
+
+    specs = export_drafter(drafter, output_dir, opset=opset)
+    specs["tree_verify"] = export_verify_graph(
+        output_dir / VERIFY_FILE, max_nodes=max_tree_nodes, opset=opset
+    )
+    graphs = {name: spec.to_dict() for name, spec in specs.items()}
+    graphs["tree_verify"]["max_nodes"] = max_tree_nodes
+    compat = {}
+    for name, spec in specs.items():
+        path = output_dir / spec.file
+        onnx.checker.check_model(str(path), full_check=True)
+        compat[name] = check_trt_compat(path).to_dict()
+
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "format_version": MANIFEST_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": _versions(),
+        "drafter": {
+            "source": str(drafter_dir.resolve()),
+            "folder": parity.DRAFTER_FOLDER,
+            "drafter_type": drafter.drafter_type,
+            "config": drafter.config,
+        },
+        "opset": opset,
+        "graphs": graphs,
+        "tolerances": {
+            **tolerances,
+            "tree_verify": "exact (integer outputs)",
+            "note": "float32 onnxruntime vs float32 PyTorch on the same inputs",
+        },
+        "parity": {},
+        "trt_compat": compat,
+        "files": [],
+    }
+
+    # ---- parity: random inputs, rollouts (real target features when --target), tree verify
+    onnx_drafter = parity.OnnxEagle3Drafter.from_export_dir(output_dir)
+    verifier = parity.OnnxTreeVerifier.from_export_dir(output_dir)
+    random_result = parity.step_parity(drafter, output_dir)
+    random_result["passed"] = parity.parity_passed(random_result, tolerances)
+    rollout = parity.rollout_parity(drafter, onnx_drafter)
+    rollout["passed"] = parity.parity_passed(rollout, tolerances)
+    verify = parity.verify_graph_parity(verifier, max_nodes=min(48, max_tree_nodes))
+    verify["passed"] = verify["mismatches"] == 0
+    manifest["parity"] = {"random": random_result, "rollout": rollout, "tree_verify": verify}
+    if target is not None:
+        target_model, features, ids, prompts = _load_target_inputs(target, drafter)
+        real = parity.rollout_parity(drafter, onnx_drafter, features=features, prompt_ids=ids)
+        real["passed"] = parity.parity_passed(real, tolerances)
+        decode = parity.decode_parity(
+            target_model, export_ready(drafter), onnx_drafter, verifier, prompts
+        )
+        decode["passed"] = decode["tokens_equal"] and decode["trees_equal"]
+        manifest["parity"]["target_features"] = real
+        manifest["parity"]["decode"] = decode
+    checks = [result["passed"] for result in manifest["parity"].values()]
+    manifest["passed"] = all(checks)
+    manifest["files"] = _file_records(output_dir)
+    _write_json(output_dir / MANIFEST_NAME, manifest)
+
+    failure: ExportError | None = None
+    if not manifest["passed"]:
+        failed = [name for name, result in manifest["parity"].items() if not result["passed"]]
+        failure = ExportError(f"parity failed: {failed} (see {output_dir / MANIFEST_NAME})")
+    elif strict_compat and not all(report["ok"] for report in compat.values()):
+        failure = ExportError("TensorRT-compatibility errors (see manifest trt_compat)")
+
+    # ---- TensorRT
+    if tensorrt and failure is None:
+        failure = _tensorrt_step(
+            output_dir,
+            manifest,
+            precision=precision,
+            dim_ranges=dim_ranges,
+            timing_cache=timing_cache,
+        )
+        manifest["files"] = _file_records(output_dir)
+        _write_json(output_dir / MANIFEST_NAME, manifest)
+
+    log_to_mlflow(output_dir, manifest, run_id=mlflow_run_id)
+    if failure is not None:
+        raise failure
+    return manifest
+
+
+def _tensorrt_step(
+    output_dir: Path,
+    manifest: dict[str, Any],
+    *,
+    precision: str,
+    dim_ranges: dict[str, Any] | None,
+    timing_cache: str | Path | None,
+) -> ExportError | None:
+    from lightning_spec.export import tensorrt as trt_export
+
+    available, reason = trt_export.tensorrt_available()
+    manifest["tensorrt"] = {
+        "requested": True,
+        "available": available,
+        "reason": reason,
+        "precision": precision,
+    }
+    if not available:
+        return ExportError(
+            f"TensorRT engines not built: {reason}. The ONNX export in {output_dir} is "
+            "complete; build engines on a machine with TensorRT and a GPU "
+            f"(lightning-spec export ... --tensorrt).",
+            EXIT_NO_TENSORRT,
+        )
+    try:
+        engines = trt_export.build_engines(
+            output_dir, precision=precision, dim_ranges=dim_ranges, timing_cache=timing_cache
+        )
+        engine_check = trt_export.engine_parity(output_dir)
+    except Exception as error:  # report any TensorRT failure with its message
+        manifest["tensorrt"]["error"] = f"{type(error).__name__}: {error}"
+        return ExportError(f"TensorRT build failed: {error}", EXIT_TENSORRT_FAILED)
+    manifest["tensorrt"]["engines"] = engines["engines"]
+    manifest["tensorrt"]["parity"] = engine_check
+    if not engine_check["passed"]:
+        return ExportError("TensorRT engine parity failed (see manifest)", EXIT_TENSORRT_FAILED)
+    return None
+
+
+# -------------------------------------------------------------------------------------- mlflow
+def _mlflow_metrics(manifest: dict[str, Any]) -> dict[str, float]:
+    metrics = {}
+    for name, result in manifest.get("parity", {}).items():
+        for key in ("max_abs_diff", "argmax_agreement", "mismatches"):
+            if isinstance(result.get(key), (int, float)):
+                metrics[f"export/{name}_{key}"] = float(result[key])
+        metrics[f"export/{name}_passed"] = float(bool(result.get("passed")))
+    return metrics
+
+
+def _ensure_experiment(mlflow: Any) -> str:
+    """An experiment for runs this command starts itself, with an explicit artifact location
+    beside a SQLite store (MLflow would otherwise put artifacts under the current directory)."""
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_EXPERIMENT)
+    experiment = mlflow.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    location = None
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:///"):
+        database = Path(uri[len("sqlite:///") :])
+        location = (database.parent / "mlartifacts" / name).resolve().as_uri()
+    return mlflow.create_experiment(name, artifact_location=location)
+
+
+def log_to_mlflow(
+    output_dir: str | Path, manifest: dict[str, Any], *, run_id: str | None = None
+) -> str | None:
+    """Log the export folder as artifacts (under ``export/``) and parity metrics.
+
+    Target run: `run_id`, else the active run, else a new run when ``MLFLOW_TRACKING_URI`` is
+    set; otherwise nothing is logged and None is returned. mlflow is imported only here.
+    """
+    if run_id is None and "MLFLOW_TRACKING_URI" not in os.environ:
+        mlflow_module = sys.modules.get("mlflow")  # an active run implies mlflow is imported
+        if mlflow_module is None or mlflow_module.active_run() is None:
+            return None
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    if run_id is None and mlflow.active_run() is not None:
+        run_id = mlflow.active_run().info.run_id
+    created = False
+    if run_id is None:
+        run = client.create_run(_ensure_experiment(mlflow), run_name="export")
+        run_id, created = run.info.run_id, True
+    client.log_artifacts(run_id, str(output_dir), artifact_path=MLFLOW_ARTIFACT_PATH)
+    for key, value in _mlflow_metrics(manifest).items():
+        client.log_metric(run_id, key, value)
+    client.set_tag(run_id, "export.passed", str(bool(manifest.get("passed"))))
+    if created:
+        client.set_terminated(run_id)
+    return run_id
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-spec export",
+        description="Export an EAGLE-3 drafter folder to ONNX (and TensorRT engines), with "
+        "parity checks against PyTorch and a manifest.",
+        epilog="Exit codes: 0 ok, 1 parity failed, 2 bad arguments/drafter folder, "
+        "3 TensorRT or a GPU missing (ONNX export done), 4 TensorRT build/parity failed.",
+    )
+    parser.add_argument(
+        "--drafter", required=True, type=Path, help="drafter folder written by save_pretrained"
+    )
+    parser.add_argument("--output", required=True, type=Path, help="output folder")
+    parser.add_argument(
+        "--tensorrt",
+        action="store_true",
+        help="also build TensorRT engines (needs tensorrt and a CUDA device)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "fp16", "bf16"),
+        default="fp32",
+        help="TensorRT engine precision (the ONNX graphs are float32)",
+    )
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset (>= 18)")
+    parser.add_argument(
+        "--mlflow-run-id", default=None, help="log artifacts and parity metrics to this MLflow run"
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="target model (path, hub id or 'smollm2') for parity on real "
+        "features and through the speculative decoder",
+    )
+    parser.add_argument(
+        "--max-tree-nodes",
+        type=int,
+        default=1024,
+        help="largest tree the verify graph handles (log2 of it = jump rounds)",
+    )
+    parser.add_argument(
+        "--trt-dim",
+        action="append",
+        default=[],
+        metavar="NAME=MIN:OPT:MAX",
+        help="TensorRT profile range of a dynamic dimension (batch, tokens, "
+        "past, nodes, vocab); repeatable",
+    )
+    parser.add_argument(
+        "--timing-cache",
+        type=Path,
+        default=None,
+        help="TensorRT timing cache file (default: OUTPUT/tensorrt/timing.cache)",
+    )
+    parser.add_argument(
+        "--strict-compat",
+        action="store_true",
+        help="fail when a graph has TensorRT-compatibility errors",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``lightning-spec export``; returns the exit code (module docstring)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as error:  # argparse exits 2 on bad arguments, 0 on --help
+        return int(error.code or 0)
+    from lightning_spec.export.tensorrt import DimRange
+
+    dim_ranges = {}
+    try:
+        for item in args.trt_dim:
+            name, _, spec = item.partition("=")
+            dim_ranges[name.strip()] = DimRange.parse(spec)
+    except ValueError as error:
+        print(f"lightning-spec export: bad --trt-dim: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.opset < 18:
+        print("lightning-spec export: --opset must be >= 18", file=sys.stderr)
+        return EXIT_USAGE
+    if args.precision != "fp32" and not args.tensorrt:
+        print(
+            f"note: --precision {args.precision} applies to TensorRT engines; the ONNX graphs "
+            "are float32",
+            file=sys.stderr,
+        )
+    try:
+        manifest = export_package(
+            args.drafter,
+            args.output,
+            opset=args.opset,
+            max_tree_nodes=args.max_tree_nodes,
+            target=args.target,
+            tensorrt=args.tensorrt,
+            precision=args.precision,
+            dim_ranges=dim_ranges,
+            timing_cache=args.timing_cache,
+            strict_compat=args.strict_compat,
+            mlflow_run_id=args.mlflow_run_id,
+        )
+    except ExportError as error:
+        print(f"lightning-spec export: {error}", file=sys.stderr)
+        return error.exit_code
+    random_result = manifest["parity"]["random"]
+    print(
+        f"exported {len(manifest['graphs'])} graphs to {args.output} "
+        f"(max abs diff {random_result['max_abs_diff']:.2e}, "
+        f"argmax agreement {random_result['argmax_agreement']:.4f})"
+    )
+    return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
