@@ -102,6 +102,24 @@ class TargetModel(nn.Module):
         self.feature_layers: list[int] = layers
         self.tokenizer = tokenizer
         self.name = name or getattr(config, "_name_or_path", "") or type(model).__name__
+        self.train(False)
+
+    def __setstate__(self, state: dict) -> None:
+        """Re-register output capturing after unpickling (ddp_spawn sends modules by pickle).
+
+        transformers 5.x records which outputs (hidden states) a model class can capture in a
+        registry filled by the model's __init__; an unpickled copy in a fresh process is not
+        in it and would return no hidden states.
+        """
+        super().__setstate__(state)
+        try:
+            from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+        except ImportError:  # older or newer transformers without the registry
+            return
+        for module in self.model.modules():
+            can_record = getattr(module, "_can_record_outputs", None)
+            if can_record is not None:
+                _CAN_RECORD_REGISTRY[module] = can_record
 
     # ------------------------------------------------------------------ loading
     @classmethod
