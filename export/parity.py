@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning_spec.export.onnx import FC_FILE, STEP_FILE, STEP_INPUTS, step_example_inputs
-from lightning_spec.export.verify_graph import DEFAULT_MAX_NODES, VERIFY_FILE
 from torch import Tensor
 
+from lightning_spec.export.onnx import FC_FILE, STEP_FILE, STEP_INPUTS, step_example_inputs
+from lightning_spec.export.verify_graph import DEFAULT_MAX_NODES, VERIFY_FILE
 from lightning_spec.models.drafters.base import CONFIG_NAME, WEIGHTS_NAME, Drafter, DrafterOutput
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter, KVState
 
@@ -44,8 +44,12 @@ DEFAULT_STEP_CASES: tuple[tuple[int, int, int], ...] = (
     (3, 4, 2),
     (2, 8, 16),
 )
-#: float32 onnxruntime vs PyTorch on the same CPU; observed differences are ~1e-6.
-DEFAULT_TOLERANCES = {"max_abs_diff": 1e-4, "min_argmax_agreement": 0.99}
+#: float32 onnxruntime vs PyTorch: pass when max_abs_diff <= atol + rtol * reference_scale
+#: (reference_scale = the largest |PyTorch output| compared, since hidden states of real
+#: targets reach the hundreds) and the logits' argmax agree at least this often. Observed:
+#: ~1e-6 on tiny random drafters, ~1e-5 (random) and 8e-4 at scale ~1e2 (real features) for a
+#: SmolLM2 drafter.
+DEFAULT_TOLERANCES = {"atol": 1e-4, "rtol": 1e-5, "min_argmax_agreement": 0.99}
 DRAFTER_FOLDER = "drafter"
 
 
@@ -69,7 +73,9 @@ def _numpy(tensor: Tensor, dtype: Any | None = None) -> np.ndarray:
     if array.dtype == torch.bfloat16:
         array = array.float()
     array = array.numpy()
-    return array if dtype is None else array.astype(dtype, copy=False)
+    if dtype is not None:
+        array = array.astype(dtype, copy=False)
+    return np.ascontiguousarray(array)  # onnxruntime wants C-contiguous buffers
 
 
 def random_tree_mask(batch: int, tokens: int, past: int, generator: torch.Generator) -> Tensor:
@@ -85,8 +91,11 @@ def random_tree_mask(batch: int, tokens: int, past: int, generator: torch.Genera
     return mask
 
 
-def _compare(reference: Tensor, candidate: np.ndarray) -> float:
-    return float(np.max(np.abs(_numpy(reference, np.float32) - candidate), initial=0.0))
+def _compare(reference: Tensor, candidate: np.ndarray) -> tuple[float, float]:
+    """(max |reference - candidate|, max |reference|)."""
+    reference = _numpy(reference, np.float32)
+    diff = float(np.max(np.abs(reference - candidate), initial=0.0))
+    return diff, float(np.max(np.abs(reference), initial=0.0))
 
 
 def _argmax_agreement(reference: Tensor, candidate: np.ndarray) -> tuple[int, int]:
@@ -115,7 +124,7 @@ def step_parity(
     generator = torch.Generator().manual_seed(seed)
     results = []
     agree = total = 0
-    worst = 0.0
+    worst = scale = 0.0
     for index, (batch, tokens, past) in enumerate(cases):
         inputs = list(step_example_inputs(model, batch, tokens, past, seed=seed + index))
         inputs[5] = random_tree_mask(batch, tokens, past, generator)
@@ -123,7 +132,7 @@ def step_parity(
         outputs = step_session.run(
             None, {n: _numpy(t) for n, t in zip(STEP_INPUTS, inputs, strict=True)}
         )
-        diffs = {
+        compared = {
             name: _compare(ref, out)
             for name, ref, out in zip(
                 ("logits", "hidden_out", "present_keys", "present_values"),
@@ -134,7 +143,9 @@ def step_parity(
         }
         features = torch.randn(batch, tokens, model.fc.in_features, generator=generator)
         (fc_out,) = fc_session.run(None, {"features": _numpy(features)})
-        diffs["fc_hidden"] = _compare(model.fc(features), fc_out)
+        compared["fc_hidden"] = _compare(model.fc(features), fc_out)
+        diffs = {name: diff for name, (diff, _) in compared.items()}
+        scale = max(scale, *(ref_scale for _, ref_scale in compared.values()))
         hits, count = _argmax_agreement(reference[0], outputs[0])
         agree, total = agree + hits, total + count
         worst = max(worst, *diffs.values())
@@ -147,7 +158,12 @@ def step_parity(
                 "argmax_agreement": hits / count,
             }
         )
-    return {"cases": results, "max_abs_diff": worst, "argmax_agreement": agree / max(total, 1)}
+    return {
+        "cases": results,
+        "max_abs_diff": worst,
+        "reference_scale": scale,
+        "argmax_agreement": agree / max(total, 1),
+    }
 
 
 # --------------------------------------------------------------------------------- onnx drafter
@@ -277,7 +293,7 @@ class OnnxEagle3Drafter(Drafter):
             "hidden_in": _numpy(hidden_in, np.float32),
             "past_keys": _numpy(state.keys, np.float32),
             "past_values": _numpy(state.values, np.float32),
-            "attention_mask": np.ascontiguousarray(_numpy(mask)),
+            "attention_mask": _numpy(mask),
         }
         logits, hidden_out, keys, values = self.step_session.run(None, feeds)
         state.keys, state.values = torch.from_numpy(keys), torch.from_numpy(values)
@@ -420,8 +436,8 @@ def rollout_parity(
     """Prefill from features, then greedy chain steps on the drafter's own hidden stream.
 
     `features` [1, L, F] are real target features when given (then `prompt_ids` [1, L] too);
-    otherwise both are random. The PyTorch drafter's greedy choice feeds both runs, so their
-    inputs stay identical while each keeps its own cache.
+    otherwise both are random. The PyTorch drafter's greedy tokens feed both runs; each run
+    feeds back its own hidden states and keeps its own cache, as a decoder would.
     """
     from lightning_spec.export.onnx import export_ready
 
@@ -439,8 +455,15 @@ def rollout_parity(
     torch_state, onnx_state = model.new_state(1), onnx_drafter.new_state(1)
     ref = model.step(torch_state, prompt_ids, positions, features=features)
     got = onnx_drafter.step(onnx_state, prompt_ids, positions, features=features)
-    worst = _compare(ref.logits, got.logits.numpy())
-    worst = max(worst, _compare(ref.hidden, got.hidden.numpy()))
+    worst = scale = 0.0
+
+    def track(reference: Tensor, candidate: Tensor) -> None:
+        nonlocal worst, scale
+        diff, ref_scale = _compare(reference, candidate.numpy())
+        worst, scale = max(worst, diff), max(scale, ref_scale)
+
+    track(ref.logits, got.logits)
+    track(ref.hidden, got.hidden)
     hits, count = _argmax_agreement(ref.logits, got.logits.numpy())
     for step in range(steps):
         draft_id = ref.logits[:, -1:].argmax(dim=-1)  # [1, 1] draft vocabulary
@@ -449,15 +472,17 @@ def rollout_parity(
         hidden_torch, hidden_onnx = ref.hidden[:, -1:], got.hidden[:, -1:]
         ref = model.step(torch_state, token, position, hidden=hidden_torch)
         got = onnx_drafter.step(onnx_state, token, position, hidden=hidden_onnx)
-        worst = max(worst, _compare(ref.logits, got.logits.numpy()))
-        worst = max(worst, _compare(ref.hidden, got.hidden.numpy()))
+        track(ref.logits, got.logits)
+        track(ref.hidden, got.hidden)
         step_hits, step_count = _argmax_agreement(ref.logits, got.logits.numpy())
         hits, count = hits + step_hits, count + step_count
-    cache_diff = _compare(torch_state.keys, onnx_state.keys.numpy())
+    track(torch_state.keys, onnx_state.keys)
+    track(torch_state.values, onnx_state.values)
     return {
         "prefill_tokens": int(length),
         "steps": steps,
-        "max_abs_diff": max(worst, cache_diff),
+        "max_abs_diff": worst,
+        "reference_scale": scale,
         "argmax_agreement": hits / max(count, 1),
         "real_features": real_features,
     }
@@ -517,7 +542,8 @@ def parity_passed(result: dict[str, Any], tolerances: dict[str, float] | None = 
     """Whether a step/rollout parity result is within `tolerances`."""
     tolerances = tolerances or DEFAULT_TOLERANCES
     diff = result.get("max_abs_diff", math.inf)
+    allowed = tolerances["atol"] + tolerances["rtol"] * result.get("reference_scale", 0.0)
     return bool(
-        diff <= tolerances["max_abs_diff"]
+        diff <= allowed
         and result.get("argmax_agreement", 0.0) >= tolerances["min_argmax_agreement"]
     )

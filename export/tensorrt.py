@@ -452,6 +452,7 @@ def engine_parity(
     """Engines vs onnxruntime on random inputs inside each engine's profile."""
     import numpy as np
     import torch
+
     from lightning_spec.export.onnx import STEP_INPUTS
     from lightning_spec.export.parity import _session, random_tree, random_tree_mask
 

@@ -191,6 +191,7 @@ def export_verify_graph(
 ) -> Any:
     """Write `tree_verify.onnx` to `path`; return its `GraphSpec` for the manifest."""
     import onnx
+
     from lightning_spec.export.onnx import GraphSpec, graph_io
 
     path = Path(path)

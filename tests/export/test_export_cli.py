@@ -9,9 +9,9 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+
 from lightning_spec.export import cli
 from lightning_spec.export.tensorrt import tensorrt_available
-
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
@@ -39,6 +39,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory, mlflow_run: dict) -> dict
     drafter = Eagle3Drafter.from_target(target, draft_vocab_size=40, token_counts=torch.arange(128))
     root = tmp_path_factory.mktemp("cli")
     drafter.save_pretrained(root / "drafter-in")
+    target.model.save_pretrained(root / "target")  # for parity on real target features
     output = root / "export-out"
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_run["uri"])
@@ -52,6 +53,8 @@ def exported(tmp_path_factory: pytest.TempPathFactory, mlflow_run: dict) -> dict
                 "--tensorrt",
                 "--max-tree-nodes",
                 "128",
+                "--target",
+                str(root / "target"),
                 "--mlflow-run-id",
                 mlflow_run["run_id"],
             ]
@@ -128,7 +131,7 @@ def test_manifest_records_files_and_graphs(exported: dict) -> None:
     assert manifest["graphs"]["tree_verify"]["max_nodes"] == 128
     assert manifest["drafter"]["config"]["draft_vocab_size"] == 40
     assert all(report["ok"] for report in manifest["trt_compat"].values())
-    assert manifest["tolerances"]["max_abs_diff"] == 1e-4
+    assert manifest["tolerances"]["atol"] == 1e-4 and manifest["tolerances"]["rtol"] == 1e-5
 
 
 def test_manifest_parity_numbers(exported: dict) -> None:
@@ -141,6 +144,12 @@ def test_manifest_parity_numbers(exported: dict) -> None:
     assert parity["rollout"]["max_abs_diff"] < 1e-4
     assert parity["rollout"]["argmax_agreement"] == 1.0
     assert parity["tree_verify"]["mismatches"] == 0 and parity["tree_verify"]["trees"] >= 100
+    # --target: real target features, and the SpeculativeDecoder end to end
+    assert parity["target_features"]["real_features"]
+    assert parity["target_features"]["max_abs_diff"] < 1e-4
+    decode = parity["decode"]
+    assert decode["tokens_equal"] and decode["trees_equal"] and decode["accept_lengths_equal"]
+    assert {run["policy"] for run in decode["runs"]} == {"chain:4", "dynamic:4,4,12"}
 
 
 def test_mlflow_run_holds_the_export(exported: dict, mlflow_run: dict) -> None:

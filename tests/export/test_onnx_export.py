@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+
 from lightning_spec.export import parity
 from lightning_spec.export.onnx import (
     STEP_DERIVED_DIMS,
@@ -24,7 +25,6 @@ from lightning_spec.export.onnx import (
     graph_io,
 )
 from lightning_spec.export.verify_graph import VERIFY_FILE, export_verify_graph
-
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
@@ -162,6 +162,25 @@ def test_onnx_drafter_matches_interface(
     assert (torch_state.values - onnx_state.values).abs().max() < TOL
     with pytest.raises(ValueError, match="exactly one"):
         onnx_drafter.step(onnx_state, ids, positions)
+
+
+def test_onnx_drafter_batch_with_shared_tree_mask(
+    exported: dict, onnx_drafter: parity.OnnxEagle3Drafter
+) -> None:
+    """Batch 2 with a [1, T, P + T] mask broadcast over the batch, on the hidden stream."""
+    drafter = exported["drafter"]
+    generator = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 3, drafter.config["hidden_size"], generator=generator)
+    ids = torch.randint(0, 128, (2, 3), generator=generator)
+    positions = torch.arange(3).unsqueeze(0)  # [1, T]: shared positions
+    mask = parity.random_tree_mask(1, 3, 0, generator)
+    with torch.no_grad():
+        expected = drafter.step(
+            drafter.new_state(), ids, positions.expand(2, -1), hidden=hidden, mask=mask
+        )
+    got = onnx_drafter.step(onnx_drafter.new_state(), ids, positions, hidden=hidden, mask=mask)
+    assert (expected.logits - got.logits).abs().max() < TOL
+    assert (expected.hidden - got.hidden).abs().max() < TOL
 
 
 def test_decoder_with_onnx_drafter_and_verifier_matches_pytorch(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from lightning_spec.export import tensorrt as trt_export
 from lightning_spec.export.tensorrt import (
     DimRange,
@@ -314,7 +315,6 @@ def test_engines_build_and_match_onnxruntime(tmp_path: Path) -> None:
     if not available:
         pytest.skip(f"TensorRT engine test needs TensorRT and a GPU: {reason}")
     from lightning_spec.export import cli
-
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
     from lightning_spec.models.target import TargetModel
     from lightning_spec.models.tiny import tiny_config

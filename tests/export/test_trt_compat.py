@@ -6,6 +6,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from onnx import TensorProto, helper, numpy_helper
+
 from lightning_spec.export.onnx import export_drafter
 from lightning_spec.export.trt_compat import (
     SUPPORTED_OPS,
@@ -14,8 +16,6 @@ from lightning_spec.export.trt_compat import (
     main,
 )
 from lightning_spec.export.verify_graph import VERIFY_FILE, export_verify_graph
-from onnx import TensorProto, helper, numpy_helper
-
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config

@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+
 from lightning_spec.export.parity import (
     OnnxTreeVerifier,
     random_tree,
