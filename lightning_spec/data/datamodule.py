@@ -521,6 +521,17 @@ class RolloutDataModule(pl.LightningDataModule):
             return 0, 1
         return int(trainer.global_rank), int(trainer.world_size)
 
+    def _target_on_device(self) -> Any:
+        """The target on this process's training device (a GPU under a GPU trainer): it is the
+        same process-shared object the objective trains against, which Lightning would move
+        there anyway, so generation does not run on the CPU while a GPU waits."""
+        target = self.target_model
+        trainer = getattr(self, "trainer", None)
+        device = getattr(getattr(trainer, "strategy", None), "root_device", None)
+        if device is not None and target.device != device:
+            target.to(device)
+        return target
+
     def _barrier(self, name: str) -> None:
         trainer = getattr(self, "trainer", None)
         if trainer is not None:
@@ -671,7 +682,7 @@ class RolloutDataModule(pl.LightningDataModule):
             meta = {**conversation.meta, "order": order}
             prompts.append(PromptItem(conversation.id, messages=messages, meta=meta))
         regenerate(
-            self.target_model,
+            self._target_on_device(),
             self.tokenizer,
             prompts,
             store,
@@ -692,7 +703,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
         for kind in self._kinds():
             cache_features(
-                self.target_model,
+                self._target_on_device(),
                 self.store(kind),
                 cap_bytes=self.feature_cache_bytes,
                 batch_size=self.regenerate_batch_size,

@@ -444,16 +444,11 @@ def test_cli_can_build_the_data_module_from_its_signature() -> None:
 
 @pytest.mark.slow
 def test_sharegpt_with_smollm2_masks_assistant_tokens_only(tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    from lightning_spec.data.assets import default_target_path
     from lightning_spec.data.sources import ShareGPTSource
 
-    tokenizer = AutoTokenizer.from_pretrained(default_target_path())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        module = RolloutDataModule.from_objects(
-            tokenizer=tokenizer,
+        module = RolloutDataModule(  # the path a config takes: the tokenizer of "smollm2"
             target="smollm2",
             dataset="sharegpt",
             max_conversations=50,
@@ -465,6 +460,8 @@ def test_sharegpt_with_smollm2_masks_assistant_tokens_only(tmp_path: Path) -> No
         module.prepare_data()
         module.setup("fit")
         conversations = {c.id: c for c in ShareGPTSource(limit=50)}
+    tokenizer = module.tokenizer
+    assert tokenizer.name_or_path.endswith("smollm2-135m-instruct")
     # Conversations whose opening user turn alone fills 512 tokens carry no loss and are dropped.
     stored = list(module.store("dataset").iter_records())
     assert len(stored) == 50
