@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 
 import pytest
@@ -26,9 +27,10 @@ CORPUS = [
 
 @pytest.fixture(autouse=True)
 def one_thread() -> None:
-    """Shared CPUs: one thread avoids OpenMP oversubscription (tiny models gain nothing)."""
+    """Shared CPUs: one thread avoids OpenMP oversubscription (tiny models gain nothing);
+    LIGHTNING_SPEC_TEST_THREADS overrides it, as in tests/conftest.py."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("LIGHTNING_SPEC_TEST_THREADS", "1")))
     yield
     torch.set_num_threads(threads)
 
