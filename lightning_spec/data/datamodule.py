@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -635,7 +636,8 @@ class RolloutDataModule(pl.LightningDataModule):
         done = store.done_ids()
         todo = [(o, c) for o, c in self._load_conversations() if c.id not in done]
         buffer: list[RolloutRecord] = []
-        failed = 0
+        failed = tokens = 0
+        start = time.perf_counter()
         with _progress(self.progress and bool(todo), len(todo), "rendering") as bar:
             task = bar.add_task("render", total=len(todo), rate=0.0)
             for order, conversation in todo:
@@ -659,7 +661,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 if len(buffer) >= self.records_per_shard:
                     store.write_shard(buffer)
                     buffer = []
-                bar.update(task, advance=1)
+                tokens += len(rendered)
+                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                bar.update(task, advance=1, rate=rate)
             if buffer:
                 store.write_shard(buffer)
         if failed:
