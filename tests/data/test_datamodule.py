@@ -5,7 +5,6 @@ sharding as Lightning re-creates the batch sampler, and (slow) real ShareGPT wit
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,15 +18,6 @@ from lightning_spec.data.datamodule import (
     split_ids,
 )
 from lightning_spec.data.rollouts import ConfigMismatchError
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Two busy cores: one intra-op thread per process is faster and steadier."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture()

@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,6 @@ from lightning_spec.decoding.engine import autoregressive_generate
 
 CONFIG = {"kind": "regenerated", "target": "tiny", "max_length": 96}
 WORDS = ["what", "is", "the", "sky", "sea", "red", "cat", "dog", "sun", "moon", "tree", "blue"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Two busy cores: one intra-op thread per process is faster and steadier."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _prompts(count: int, seed: int = 0) -> list[PromptItem]:
