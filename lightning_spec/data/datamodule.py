@@ -355,9 +355,9 @@ class RolloutDataModule(pl.LightningDataModule):
             (both, see ``regenerated_fraction``). ``on_policy`` is reserved.
         regenerated_fraction: In ``mixture`` mode, the probability that a conversation is served
             in its regenerated version in a given epoch (else its dataset version).
-        cache_dir: Where shards go (``<cache_dir>/dataset`` and ``<cache_dir>/regenerated``). Default:
-            ``<asset cache>/rollouts/<kind>-<config hash>``. An explicit directory made under another
-            configuration is refused.
+        cache_dir: Where shards go (``<cache_dir>/dataset``, ``<cache_dir>/regenerated``).
+            Default: ``<asset cache>/rollouts/<kind>-<config hash>``. An explicit directory made
+            under another configuration is refused.
         max_length: Tokens per sequence; longer ones keep their beginning.
         max_conversations: Use the first N conversations of the dataset (None = all).
         val_fraction: Share of conversations held out for validation, chosen by a hash of the

@@ -457,7 +457,8 @@ class RolloutStore:
             ) from exc
         if not isinstance(data, dict) or not isinstance(data.get("shards"), list):
             raise StoreError(
-                f"{path} is not a rollout manifest; delete {self.directory} or use another cache dir"
+                f"{path} is not a rollout manifest; delete {self.directory} or use another "
+                "cache dir"
             )
         return data
 
