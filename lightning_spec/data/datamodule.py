@@ -23,7 +23,8 @@ epoch were consumed so that ``fit --ckpt_path last`` continues exactly where it 
 
 Batch (the contract the objectives rely on): ``input_ids``, ``attention_mask``, ``loss_mask``
 (LongTensor [B, T], right-padded), optional ``features`` (FloatTensor [B, T, F], only when
-every row has cached features), ``source`` (list[str]) and ``ids`` (list[str], record ids).
+every row has cached features) and ``last_hidden`` (FloatTensor [B, T, H], the target's final
+hidden state, cached with the features), ``source`` (list[str]) and ``ids`` (list[str]).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from lightning_spec.data.rollouts import RolloutRecord, RolloutStore, tokenizer_
 log = logging.getLogger(__name__)
 
 MODES = ("dataset", "online", "regenerated", "mixture", "on_policy")
+Entry = tuple[RolloutRecord, Tensor | None, Tensor | None]
+"""A record with its cached features [T, F] and final hidden states [T, H] (None if absent)."""
 DEFAULT_RECORDS_PER_SHARD = 256
 
 
@@ -75,10 +78,16 @@ def split_ids(ids: Sequence[str], val_fraction: float) -> tuple[set[str], set[st
 class RecordTable(Dataset):
     """Records held as flat numpy arrays (cheap to fork into loader workers), one item each.
 
-    ``features[i]`` is the cached fp16 ``[T_i, F]`` target features of item i, or None.
+    ``features[i]`` is the cached fp16 ``[T_i, F]`` target features of item i, or None, and
+    ``last_hidden[i]`` its cached ``[T_i, H]`` final hidden states, or None.
     """
 
-    def __init__(self, records: Sequence[RolloutRecord], features: Sequence[Tensor | None] = ()):
+    def __init__(
+        self,
+        records: Sequence[RolloutRecord],
+        features: Sequence[Tensor | None] = (),
+        last_hidden: Sequence[Tensor | None] = (),
+    ) -> None:
         self.ids = [r.id for r in records]
         self.sources = [r.source for r in records]
         self.lengths = np.array([len(r) for r in records], dtype=np.int64)
@@ -92,8 +101,9 @@ class RecordTable(Dataset):
             (m for r in records for m in r.loss_mask), dtype=np.uint8, count=total
         )
         self.features = list(features) if features else [None] * len(records)
-        if len(self.features) != len(records):
-            raise ValueError("one features entry (or None) per record")
+        self.last_hidden = list(last_hidden) if last_hidden else [None] * len(records)
+        if len(self.features) != len(records) or len(self.last_hidden) != len(records):
+            raise ValueError("one features and one last_hidden entry (or None) per record")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -106,6 +116,7 @@ class RecordTable(Dataset):
             "input_ids": torch.from_numpy(self.input_ids[lo:hi].copy()),
             "loss_mask": torch.from_numpy(self.loss_mask[lo:hi].astype(np.int64)),
             "features": self.features[index],
+            "last_hidden": self.last_hidden[index],
         }
 
 
@@ -128,16 +139,28 @@ def collate_records(rows: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
     }
-    cached = [r.get("features") for r in rows]
-    if all(f is not None for f in cached):
-        features = torch.zeros((batch_size, width, int(cached[0].shape[-1])), dtype=torch.float32)
-        for row, item_features in enumerate(cached):
-            length = min(int(item_features.shape[0]), int(rows[row]["input_ids"].shape[0]))
-            features[row, :length] = item_features[:length].float()
+    features = _stack_cached(rows, "features", width)
+    if features is not None:
         batch["features"] = features
+        last_hidden = _stack_cached(rows, "last_hidden", width)
+        if last_hidden is not None:
+            batch["last_hidden"] = last_hidden
     batch["source"] = [str(r["source"]) for r in rows]
     batch["ids"] = [str(r["id"]) for r in rows]
     return batch
+
+
+def _stack_cached(rows: Sequence[dict[str, Any]], key: str, width: int) -> Tensor | None:
+    """Zero-padded float32 ``[B, width, D]`` of a cached per-token tensor, or None unless every
+    row has it (a batch is all offline or all online; mixed rows go online)."""
+    cached = [r.get(key) for r in rows]
+    if not cached or any(c is None for c in cached):
+        return None
+    out = torch.zeros((len(rows), width, int(cached[0].shape[-1])), dtype=torch.float32)
+    for row, values in enumerate(cached):
+        length = min(int(values.shape[0]), int(rows[row]["input_ids"].shape[0]))
+        out[row, :length] = values[:length].float()
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -758,18 +781,23 @@ class RolloutDataModule(pl.LightningDataModule):
                 self.prepare_data()
         self._build_tables()
 
-    def _read_kind(self, kind: str) -> tuple[list[RolloutRecord], list[Tensor | None]]:
+    def _read_kind(self, kind: str) -> list[Entry]:
+        """The selected records of one store with their cached features (or None)."""
         from lightning_spec.data.regenerate import feature_config
 
         store = self.store(kind)
         config = None
         if self.feature_cache_bytes > 0:
             config = feature_config(self.target_model, f"{self._target_id}|{self.target_dtype}")
-        records: list[RolloutRecord] = []
-        features: list[Tensor | None] = []
+        entries: list[Entry] = []
         dropped = 0
         for info in store.shards():
-            cached = store.read_features(info.name, feature_config=config) if config else {}
+            features, last_hidden = {}, {}
+            if config is not None:
+                features = store.read_features(info.name, feature_config=config)
+                last_hidden = store.read_features(
+                    info.name, feature_config=config, key="last_hidden"
+                )
             for record in store.read_shard(info):
                 order = record.meta.get("order")
                 if self.max_conversations is not None and (
@@ -780,15 +808,14 @@ class RolloutDataModule(pl.LightningDataModule):
                 if record.num_loss_tokens == 0:
                     dropped += 1
                     continue
-                records.append(record)
-                features.append(cached.get(record.id))
+                entries.append((record, features.get(record.id), last_hidden.get(record.id)))
         if dropped:
             log.info("%s: %d records without loss tokens after truncation dropped", kind, dropped)
-        return records, features
+        return entries
 
     def _build_tables(self) -> None:
         by_kind = {kind: self._read_kind(kind) for kind in self._kinds()}
-        all_ids = [r.id for records, _ in by_kind.values() for r in records]
+        all_ids = [entry[0].id for entries in by_kind.values() for entry in entries]
         train_ids, val_ids = split_ids(all_ids, self.val_fraction)
         self._train, self._train_plan = self._table(by_kind, train_ids, train=True)
         self._val, self._val_plan = self._table(by_kind, val_ids, train=False)
@@ -807,24 +834,19 @@ class RolloutDataModule(pl.LightningDataModule):
         )
 
     def _table(
-        self,
-        by_kind: dict[str, tuple[list[RolloutRecord], list[Tensor | None]]],
-        keep: set[str],
-        train: bool,
+        self, by_kind: dict[str, list[Entry]], keep: set[str], train: bool
     ) -> tuple[RecordTable, EpochPlan]:
-        records: list[RolloutRecord] = []
-        features: list[Tensor | None] = []
+        kept: list[Entry] = []
         index: dict[tuple[str, str], int] = {}
-        for kind, (kind_records, kind_features) in by_kind.items():
-            for record, cached in zip(kind_records, kind_features, strict=True):
-                if record.id in keep:
-                    index[(kind, record.id)] = len(records)
-                    records.append(record)
-                    features.append(cached)
-        table = RecordTable(records, features)
+        for kind, entries in by_kind.items():
+            for entry in entries:
+                if entry[0].id in keep:
+                    index[(kind, entry[0].id)] = len(kept)
+                    kept.append(entry)
+        table = RecordTable([e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept])
         if self.mode != "mixture":
             return table, EpochPlan(len(table))
-        ids = sorted({record.id for record in records})
+        ids = sorted({entry[0].id for entry in kept})
         groups = [(index.get(("dataset", i), -1), index.get(("regenerated", i), -1)) for i in ids]
         return table, EpochPlan(
             len(table), groups, self.regenerated_fraction, self.seed, vary_with_epoch=train

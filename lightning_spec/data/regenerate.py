@@ -315,6 +315,7 @@ def feature_config(target: Any, target_id: str | None = None) -> dict[str, Any]:
         "feature_layers": list(getattr(target, "feature_layers", [])),
         "dtype": str(getattr(target, "dtype", "")),
         "stored_as": "float16",
+        "last_hidden": True,
     }
 
 
@@ -329,8 +330,9 @@ def cache_features(
     target_id: str | None = None,
     progress: bool = False,
 ) -> int:
-    """Compute and store the target's fused features for every token shard of ``store`` that
-    has none yet, until the cache would exceed ``cap_bytes``; return the bytes cached now.
+    """Compute and store the target's fused features and final hidden states for every token
+    shard of ``store`` that has none yet, until the cache would exceed ``cap_bytes``; return the
+    bytes cached now.
 
     Features of token t depend only on tokens <= t (causal attention), so a record truncated
     to ``max_length`` later still matches its cached prefix.
@@ -349,6 +351,7 @@ def cache_features(
         for info in shards:
             records = [r.truncated(max_length) for r in store.read_shard(info)]
             features: dict[str, torch.Tensor] = {}
+            last_hidden: dict[str, torch.Tensor] = {}
             order = sorted(range(len(records)), key=lambda i: len(records[i]))
             for lo in range(0, len(order), batch_size):
                 batch = [records[i] for i in order[lo : lo + batch_size]]
@@ -365,12 +368,17 @@ def cache_features(
                 )
                 for row, record in enumerate(batch):
                     features[record.id] = output.features[row, : len(record)].to("cpu")
+                    last_hidden[record.id] = output.last_hidden[row, : len(record)].to("cpu")
                     tokens += len(record)
             if not store.write_features(
-                info.name, features, feature_config=config, cap_bytes=cap_bytes
+                info.name,
+                features,
+                feature_config=config,
+                cap_bytes=cap_bytes,
+                last_hidden=last_hidden,
             ):
                 break
-            written += sum(int(f.numel()) * 2 for f in features.values())
+            written += sum(int(f.numel()) * 2 for f in [*features.values(), *last_hidden.values()])
             rate = tokens / max(time.perf_counter() - start, 1e-9)
             bar.update(task, advance=1, rate=rate)
     return written

@@ -655,8 +655,11 @@ class RolloutStore:
         *,
         feature_config: Mapping[str, Any],
         cap_bytes: int,
+        last_hidden: Mapping[str, Tensor] | None = None,
     ) -> bool:
-        """Cache ``{record id: [T, F]}`` features (stored fp16) for token shard ``shard``.
+        """Cache ``{record id: [T, F]}`` features (stored fp16) for token shard ``shard``, and
+        optionally the target's final hidden states ``{record id: [T, H]}`` (with both, an
+        objective can skip the target forward: logits = LM head of the last hidden state).
 
         Returns False, writes nothing and marks the cache full when the shard would take the
         cache past ``cap_bytes`` (later shards are then served without features).
@@ -664,17 +667,15 @@ class RolloutStore:
         from safetensors.torch import save
 
         ids = list(features)
-        rows = [features[i].detach().to("cpu", torch.float16) for i in ids]
-        widths = {int(r.shape[-1]) for r in rows}
-        if len(widths) > 1 or any(r.dim() != 2 for r in rows):
-            raise ValueError("features must be [T, F] with one F for every record")
-        offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64).cumsum(0)
-        flat = torch.cat(rows) if rows else torch.zeros(0, 0, dtype=torch.float16)
-        data = save(
-            {"features": flat.contiguous(), "offsets": offsets},
-            metadata={"ids": json.dumps(ids), "shard": shard},
-        )
+        tensors = {"features": _flatten_rows([features[i] for i in ids], "features")}
+        if last_hidden is not None:
+            if any(last_hidden[i].shape[0] != features[i].shape[0] for i in ids):
+                raise ValueError("last_hidden and features must cover the same tokens")
+            tensors["last_hidden"] = _flatten_rows([last_hidden[i] for i in ids], "last_hidden")
+        offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor([features[i].shape[0] for i in ids], dtype=torch.int64).cumsum(0)
+        tensors["offsets"] = offsets
+        data = save(tensors, metadata={"ids": json.dumps(ids), "shard": shard})
         with self._locked():
             manifest = self.manifest()
             section = self._feature_section(manifest, feature_config)
@@ -707,9 +708,15 @@ class RolloutStore:
         return True
 
     def read_features(
-        self, shard: str, *, feature_config: Mapping[str, Any], verify: bool = True
+        self,
+        shard: str,
+        *,
+        feature_config: Mapping[str, Any],
+        verify: bool = True,
+        key: str = "features",
     ) -> dict[str, Tensor]:
-        """``{record id: fp16 [T, F]}`` cached for token shard ``shard`` (empty if none)."""
+        """``{record id: fp16 [T, F]}`` cached for token shard ``shard`` (empty if none);
+        ``key="last_hidden"`` gives the cached final hidden states instead."""
         from safetensors.torch import load
 
         entry = self.feature_shards(feature_config).get(shard)
@@ -724,10 +731,20 @@ class RolloutStore:
                 f"{path} fails its sha256 check; delete {self.directory} or use another cache dir"
             )
         tensors = load(data)
+        if key not in tensors:
+            return {}
         ids = json.loads(_safetensors_metadata(data)["ids"])
         offsets = tensors["offsets"].tolist()
-        flat = tensors["features"]
+        flat = tensors[key]
         return {rid: flat[offsets[i] : offsets[i + 1]] for i, rid in enumerate(ids)}
+
+
+def _flatten_rows(rows: Sequence[Tensor], name: str) -> Tensor:
+    """Concatenate ``[T_i, D]`` rows into one fp16 ``[sum T_i, D]`` tensor on the CPU."""
+    rows = [r.detach().to("cpu", torch.float16) for r in rows]
+    if any(r.dim() != 2 for r in rows) or len({int(r.shape[-1]) for r in rows}) > 1:
+        raise ValueError(f"{name} must be [T, D] with one D for every record")
+    return torch.cat(rows).contiguous() if rows else torch.zeros(0, 0, dtype=torch.float16)
 
 
 def verify_store(directory: str | Path) -> list[str]:

@@ -110,14 +110,18 @@ def test_collate_pads_right_and_adds_features_only_when_all_rows_have_them() -> 
         },
     ]
     batch = collate_records(rows, pad_id=9)
+    assert "last_hidden" not in batch
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 9, 9]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
     assert batch["features"].dtype == torch.float32
     assert batch["features"][:, :, 0].tolist() == [[1, 1, 1], [2, 0, 0]]
     assert batch["source"] == ["dataset", "regenerated"] and batch["ids"] == ["a", "b"]
+    for row in rows:
+        row["last_hidden"] = torch.ones(len(row["input_ids"]), 3)
+    assert collate_records(rows)["last_hidden"].shape == (2, 3, 3)
     rows[1]["features"] = None
-    assert "features" not in collate_records(rows)
+    assert not {"features", "last_hidden"} & set(collate_records(rows))
 
 
 def test_truncation_keeps_the_beginning(data: Path, tmp_path: Path, chat_tokenizer) -> None:
@@ -216,13 +220,20 @@ def test_features_are_served_when_cached(
     assert batch["features"].shape == (size, width, tiny_target.feature_size)
     row = 0
     length = int(batch["attention_mask"][row].sum())
-    alone = tiny_target(batch["input_ids"][row : row + 1, :length], use_cache=False).features[0]
-    torch.testing.assert_close(batch["features"][row, :length], alone, atol=5e-3, rtol=5e-3)
+    assert batch["last_hidden"].shape == (size, width, tiny_target.hidden_size)
+    alone = tiny_target(batch["input_ids"][row : row + 1, :length], use_cache=False)
+    torch.testing.assert_close(
+        batch["features"][row, :length], alone.features[0], atol=5e-3, rtol=5e-3
+    )
+    torch.testing.assert_close(
+        batch["last_hidden"][row, :length], alone.last_hidden[0], atol=5e-3, rtol=5e-3
+    )
     assert not batch["features"][row, length:].any()
     # A cap of about one shard: some batches come with features, others without.
     capped = _module(
         data, tmp_path / "capped", chat_tokenizer, tiny_target, mode="regenerated",
-        feature_cache_bytes=16 * 40 * tiny_target.feature_size * 2, records_per_shard=16,
+        feature_cache_bytes=16 * 40 * (tiny_target.feature_size + tiny_target.hidden_size) * 2,
+        records_per_shard=16,
     )  # fmt: skip
     with_features = ["features" in b for b in capped.train_dataloader()]
     assert any(with_features) and not all(with_features)

@@ -288,10 +288,17 @@ def test_cached_features_match_the_target(tmp_path: Path, tiny_target, chat_toke
     assert written > 0 and len(store.feature_shards(config)) == 3
     for info in store.shards():
         cached = store.read_features(info.name, feature_config=config)
+        hidden = store.read_features(info.name, feature_config=config, key="last_hidden")
         for record in store.read_shard(info):
-            alone = tiny_target(torch.tensor([record.input_ids]), use_cache=False).features[0]
+            alone = tiny_target(torch.tensor([record.input_ids]), use_cache=False)
             assert cached[record.id].shape == (len(record), tiny_target.feature_size)
-            torch.testing.assert_close(cached[record.id].float(), alone, atol=5e-3, rtol=5e-3)
+            assert hidden[record.id].shape == (len(record), tiny_target.hidden_size)
+            torch.testing.assert_close(
+                cached[record.id].float(), alone.features[0], atol=5e-3, rtol=5e-3
+            )
+            torch.testing.assert_close(
+                hidden[record.id].float(), alone.last_hidden[0], atol=5e-3, rtol=5e-3
+            )
     assert cache_features(tiny_target, store, cap_bytes=10**9) == 0  # nothing left to cache
 
 
@@ -307,7 +314,7 @@ def test_feature_cache_stops_at_its_cap(tmp_path: Path, tiny_target, chat_tokeni
         progress=False,
     )
     config = feature_config(tiny_target)
-    per_token = tiny_target.feature_size * 2
+    per_token = (tiny_target.feature_size + tiny_target.hidden_size) * 2
     cap = per_token * store.shards()[0].tokens + 1000  # about one shard
     cache_features(tiny_target, store, cap_bytes=cap)
     assert 1 <= len(store.feature_shards(config)) < 3

@@ -282,8 +282,32 @@ def test_feature_cache_respects_its_cap(tmp_path: Path) -> None:
             feats.float(), per_shard[infos[0].name][rid], atol=2e-3, rtol=1e-3
         )
     assert store.read_features(infos[2].name, feature_config=feature_config) == {}
+    assert (
+        store.read_features(infos[0].name, feature_config=feature_config, key="last_hidden") == {}
+    )
     total = store.manifest()["features"]["bytes"]
     assert total <= cap
     assert verify_store(tmp_path) == []
     with pytest.raises(ConfigMismatchError, match="feature cache"):
         store.feature_shards({"target": "other"})
+
+
+def test_cached_last_hidden_must_match_the_features(tmp_path: Path) -> None:
+    store = RolloutStore(tmp_path, CONFIG)
+    info = store.write_shard(_records(1))
+    config = {"target": "tiny"}
+    features = {"r0": torch.randn(3, 4)}
+    with pytest.raises(ValueError, match="same tokens"):
+        store.write_features(
+            info.name,
+            features,
+            feature_config=config,
+            cap_bytes=10**6,
+            last_hidden={"r0": torch.randn(2, 5)},
+        )
+    hidden = {"r0": torch.randn(3, 5)}
+    assert store.write_features(
+        info.name, features, feature_config=config, cap_bytes=10**6, last_hidden=hidden
+    )
+    back = store.read_features(info.name, feature_config=config, key="last_hidden")
+    torch.testing.assert_close(back["r0"].float(), hidden["r0"], atol=2e-3, rtol=1e-3)
