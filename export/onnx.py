@@ -189,23 +189,30 @@ def _export(
     if opset < MIN_OPSET:
         raise ValueError(f"opset {opset} is too old: the dynamo exporter needs >= {MIN_OPSET}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        # "axis name X will not be used, since it shares the same shape constraints": our names
-        # are shared on purpose.
-        warnings.filterwarnings("ignore", message=".*shares the same shape constraints.*")
-        # torch-internal deprecation noise from pytree specs during tracing
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
-        program = torch.onnx.export(
-            module.eval(),
-            args,
-            dynamo=True,
-            dynamic_shapes=dynamic_shapes,
-            input_names=list(input_names),
-            output_names=list(output_names),
-            opset_version=opset,
-            external_data=False,
-            verbose=False,
-        )
+    # "torchvision is not installed. Skipping torchvision::nms" and similar, once per export.
+    registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    previous_level = registry_log.level
+    registry_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            # "axis name X will not be used, since it shares the same shape constraints": our
+            # names are shared on purpose.
+            warnings.filterwarnings("ignore", message=".*shares the same shape constraints.*")
+            # torch-internal deprecation noise from pytree specs during tracing
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec.*")
+            program = torch.onnx.export(
+                module.eval(),
+                args,
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=list(input_names),
+                output_names=list(output_names),
+                opset_version=opset,
+                external_data=False,
+                verbose=False,
+            )
+    finally:
+        registry_log.setLevel(previous_level)
     if program is None:  # pragma: no cover - the dynamo exporter always returns a program
         raise RuntimeError("torch.onnx.export returned no program")
     tmp = path.with_name(f".{path.name}.tmp")
