@@ -7,7 +7,6 @@ SmolLM2 from the asset cache and skip when it is not cached.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -29,16 +28,6 @@ REQUIRED = (
     "speedup_vs_autoregressive",
     "mismatches",
 )
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    """Shared CPUs: one thread avoids OpenMP oversubscription (tiny models gain nothing);
-    LIGHTNING_SPEC_TEST_THREADS overrides it, as in tests/conftest.py."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("LIGHTNING_SPEC_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 
 from lightning_spec import bench, calibrate
 from lightning_spec.calibrate import AcceptanceProfile
@@ -14,16 +12,6 @@ from lightning_spec.decoding.build import DynamicTreePolicy
 from lightning_spec.models.drafters.standalone import StandaloneDrafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    """Shared CPUs: one thread avoids OpenMP oversubscription (tiny models gain nothing);
-    LIGHTNING_SPEC_TEST_THREADS overrides it, as in tests/conftest.py."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("LIGHTNING_SPEC_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

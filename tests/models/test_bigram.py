@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 
 import pytest
@@ -23,16 +22,6 @@ CORPUS = [
     [5, 6, 9],  # 5 -> 6 again
     [3, 4, 3, 4, 3, 8],  # 3 -> 4 twice, 3 -> 8 once
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> None:
-    """Shared CPUs: one thread avoids OpenMP oversubscription (tiny models gain nothing);
-    LIGHTNING_SPEC_TEST_THREADS overrides it, as in tests/conftest.py."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("LIGHTNING_SPEC_TEST_THREADS", "1")))
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
