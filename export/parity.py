@@ -233,25 +233,11 @@ class OnnxEagle3Drafter(Drafter):
     to_target = Eagle3Drafter.to_target
     target_to_draft_ids = Eagle3Drafter.target_to_draft_ids
 
-    def new_state(self, batch_size: int = 1) -> KVState:
-        return KVState()
-
-    def state_length(self, state: KVState) -> int:
-        return state.length
-
-    def truncate_state(self, state: KVState, length: int) -> None:
-        if state.keys is not None:
-            state.keys = state.keys[:, :, :length]
-            state.values = state.values[:, :, :length]
-
-    def keep_state_entries(self, state: KVState, drop_last: int, keep: Tensor | list[int]) -> None:
-        if state.keys is None or drop_last <= 0:
-            return
-        start = state.length - drop_last
-        keep_t = torch.as_tensor(keep, dtype=torch.long).cpu()
-        index = torch.cat([torch.arange(start), start + keep_t])
-        state.keys = state.keys.index_select(2, index)
-        state.values = state.values.index_select(2, index)
+    # The cache bookkeeping is the PyTorch drafter's too: both hold a KVState of tensors.
+    new_state = Eagle3Drafter.new_state
+    state_length = Eagle3Drafter.state_length
+    truncate_state = Eagle3Drafter.truncate_state
+    keep_state_entries = Eagle3Drafter.keep_state_entries
 
     def project_features(self, features: Tensor) -> Tensor:
         """Run `fc.onnx`: fused target features [B, T, F] -> hidden [B, T, H] (CPU float32)."""

@@ -33,6 +33,22 @@ class KVState:
     def length(self) -> int:
         return 0 if self.keys is None else int(self.keys.shape[2])
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions (roll back drafted entries)."""
+        if self.keys is not None:
+            self.keys = self.keys[:, :, :length]
+            self.values = self.values[:, :, :length]
+
+    def keep(self, drop_last: int, keep: Tensor | list[int]) -> None:
+        """Drop the last `drop_last` positions except the offsets in `keep` (see models.cache)."""
+        if self.keys is None or drop_last <= 0:
+            return
+        start = self.length - drop_last
+        offsets = torch.as_tensor(keep, dtype=torch.long).cpu()
+        index = torch.cat([torch.arange(start), start + offsets]).to(self.keys.device)
+        self.keys = self.keys.index_select(2, index)
+        self.values = self.values.index_select(2, index)
+
 
 class Eagle3Layer(nn.Module):
     """The EAGLE-3 decoder layer: attention over 2H inputs, residual on the feature stream."""
@@ -157,19 +173,10 @@ class Eagle3Drafter(Drafter):
         return state.length
 
     def truncate_state(self, state: KVState, length: int) -> None:
-        if state.keys is not None:
-            state.keys = state.keys[:, :, :length]
-            state.values = state.values[:, :, :length]
+        state.truncate(length)
 
     def keep_state_entries(self, state: KVState, drop_last: int, keep: Tensor | list[int]) -> None:
-        if state.keys is None or drop_last <= 0:
-            return
-        start = state.length - drop_last
-        index = torch.cat(
-            [torch.arange(start), start + torch.as_tensor(keep, dtype=torch.long)]
-        ).to(state.keys.device)
-        state.keys = state.keys.index_select(2, index)
-        state.values = state.values.index_select(2, index)
+        state.keep(drop_last, keep)
 
     # ------------------------------------------------------------------ compute
     def step(
