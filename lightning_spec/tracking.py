@@ -93,6 +93,12 @@ class SpecMLFlowLogger(MLFlowLogger):
         )
         self.run_dir = str(Path(run_dir).expanduser().resolve())
 
+    @property
+    def save_dir(self) -> str:
+        """The run folder: `trainer.log_dir` reads it, and LightningCLI saves the resolved
+        config there (MLflow's own save_dir is None for a database store, which stops the CLI)."""
+        return self.run_dir
+
 
 def make_mlflow_logger(
     experiment_name: str,
