@@ -15,17 +15,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-spec generate", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--target", default="smollm2", help="hub id, model folder, .gguf, or smollm2")
     parser.add_argument(
-        "--drafter", default="self", help="drafter folder, `self` (target drafts for itself), or `random`"
+        "--target", default="smollm2", help="hub id, model folder, .gguf, or smollm2"
+    )
+    parser.add_argument(
+        "--drafter",
+        default="self",
+        help="drafter folder, `self` (target drafts for itself), or `random`",
     )
     parser.add_argument("--tree", default="chain:4", help="chain:K | static:NAME | dynamic:D,K,T")
     parser.add_argument("--prompt", default="Explain speculative decoding in two sentences.")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "fp32", "bf16", "bfloat16"])
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "fp32", "bf16", "bfloat16"]
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-check", action="store_true", help="skip the greedy comparison with the target")
+    parser.add_argument(
+        "--no-check", action="store_true", help="skip the greedy comparison with the target"
+    )
     return parser
 
 

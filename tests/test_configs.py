@@ -68,7 +68,9 @@ def test_bad_config_fails_clearly(tmp_path: Path) -> None:
     from lightning_spec.cli import lightning_cli
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  class_path: lightning_spec.objectives.sft.EagleSFT\n  init_args:\n    ttt_stepz: 3\n")
+    bad.write_text(
+        "model:\n  class_path: lightning_spec.objectives.sft.EagleSFT\n  init_args:\n    ttt_stepz: 3\n"
+    )
     with pytest.raises(SystemExit) as error:
         lightning_cli(["--config", str(bad)], run=False)
     assert error.value.code != 0

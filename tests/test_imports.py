@@ -7,10 +7,10 @@ import os
 import pkgutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import lightning_spec
 
@@ -35,7 +35,9 @@ def test_module_imports(name: str) -> None:
 
 
 def test_every_subpackage_is_listed_in_pyproject() -> None:
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     found = {"lightning_spec"}
     for folder in [ROOT / "lightning_spec"]:
         for init in folder.rglob("__init__.py"):
@@ -50,16 +52,25 @@ def test_every_subpackage_is_listed_in_pyproject() -> None:
 
 def test_cli_help_is_fast_and_lists_commands() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_spec.cli", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "lightning_spec.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0
     for command in ("fit", "assets", "bench", "export", "generate"):
         assert command in result.stdout
     # No heavy library may be imported just to print help.
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, lightning_spec.cli as c; c.main(['--help']);"
-         "print(sorted(m for m in ('mlflow','onnx','triton','transformers','lightning') if m in sys.modules))"],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-c",
+            "import sys, lightning_spec.cli as c; c.main(['--help']);"
+            "print(sorted(m for m in ('mlflow','onnx','triton','transformers','lightning') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert probe.stdout.strip().endswith("[]"), probe.stdout
 
@@ -74,13 +85,31 @@ def test_regular_install_maps_packages(tmp_path: Path) -> None:
     """`pip install .` (not editable) puts callbacks/export/kernels under lightning_spec only."""
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(ROOT)],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
     )
     assert not (target / "callbacks").exists() and not (target / "kernels").exists()
     code = "import lightning_spec.callbacks, lightning_spec.export, lightning_spec.kernels, lightning_spec; print(lightning_spec.__file__)"
     env = {**os.environ, "PYTHONPATH": str(target)}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith(str(target))

@@ -187,7 +187,10 @@ class SpeculativeDecoder:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         if use_kernels:
-            from lightning_spec.decoding.fast_path import enable_tree_attention, triton_greedy_verifier
+            from lightning_spec.decoding.fast_path import (
+                enable_tree_attention,
+                triton_greedy_verifier,
+            )
 
             enable_tree_attention(target.model)
             greedy_verifier = greedy_verifier or triton_greedy_verifier

@@ -26,7 +26,9 @@ def triton_greedy_verifier(tree: DraftTree, target_logits: Tensor) -> Verificati
             accepted=torch.zeros(0, dtype=torch.long), bonus_token=int(target_logits[0].argmax())
         )
     argmax = target_logits.argmax(dim=-1)
-    length, path, bonus = tree_verify(tree.tokens.to(argmax.device), tree.parents.to(argmax.device), argmax)
+    length, path, bonus = tree_verify(
+        tree.tokens.to(argmax.device), tree.parents.to(argmax.device), argmax
+    )
     return Verification(accepted=path[:length].cpu().long(), bonus_token=int(bonus))
 
 

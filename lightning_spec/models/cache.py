@@ -36,7 +36,9 @@ def cache_length(cache: object) -> int:
 def _layers(cache: object) -> list[object]:
     layers = getattr(cache, "layers", None)
     if layers is None:
-        raise TypeError(f"unsupported cache type {type(cache).__name__}: expected a transformers Cache")
+        raise TypeError(
+            f"unsupported cache type {type(cache).__name__}: expected a transformers Cache"
+        )
     return list(layers)
 
 
@@ -66,9 +68,7 @@ def keep_cache_entries(cache: object, drop_last: int, keep: Tensor | list[int]) 
                 "window evicted part of it; use a window larger than the context"
             )
         start = length - drop_last
-        index = torch.cat(
-            [torch.arange(start, device=keys.device), start + keep_t.to(keys.device)]
-        )
+        index = torch.cat([torch.arange(start, device=keys.device), start + keep_t.to(keys.device)])
         layer.keys = keys.index_select(-2, index)
         layer.values = layer.values.index_select(-2, index)
         if hasattr(layer, "cumulative_length"):

@@ -23,8 +23,14 @@ log = logging.getLogger(__name__)
 #: Name under which `lightning_spec.decoding.fast_path` registers the Triton tree attention.
 TREE_ATTENTION_IMPL = "lightning_spec_tree"
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -200,7 +206,11 @@ class TargetModel(nn.Module):
     def eos_token_ids(self) -> set[int]:
         """Every id that ends a turn: generation config, model config and tokenizer."""
         ids: set[int] = set()
-        sources = [getattr(self.model, "generation_config", None), self.model.config, self.tokenizer]
+        sources = [
+            getattr(self.model, "generation_config", None),
+            self.model.config,
+            self.tokenizer,
+        ]
         for source in sources:
             value = getattr(source, "eos_token_id", None) if source is not None else None
             if value is None:
@@ -245,7 +255,9 @@ class TargetModel(nn.Module):
         explicit `position_ids`. Without them positions continue after the cache.
         """
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}"
+            )
         past = cache_length(cache)
         if position_ids is None and attention_mask is None:
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
@@ -309,6 +321,9 @@ def load_target(
     key = (str(path), str(resolve_dtype(dtype)), tuple(feature_layers or ()), attn_implementation)
     if key not in _LOADED:
         _LOADED[key] = TargetModel.from_pretrained(
-            path, dtype=dtype, feature_layers=feature_layers, attn_implementation=attn_implementation
+            path,
+            dtype=dtype,
+            feature_layers=feature_layers,
+            attn_implementation=attn_implementation,
         )
     return _LOADED[key]

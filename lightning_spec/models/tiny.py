@@ -50,6 +50,9 @@ def tiny_config(
     if family == "gemma3":
         # The window is larger than any test context so sliding layers keep every position.
         return transformers.Gemma3TextConfig(
-            head_dim=head_dim, sliding_window=max_positions, query_pre_attn_scalar=head_dim, **common
+            head_dim=head_dim,
+            sliding_window=max_positions,
+            query_pre_attn_scalar=head_dim,
+            **common,
         )
     raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning_spec.callbacks.acceptance import AcceptanceEval
-from lightning_spec.callbacks.checkpoint import STATE_FILE, DrafterCheckpoint
-from lightning_spec.callbacks.plots import AcceptancePlot, draw_acceptance
 from torch import nn
 from torch.utils.data import DataLoader
 
+from lightning_spec.callbacks.acceptance import AcceptanceEval
+from lightning_spec.callbacks.checkpoint import STATE_FILE, DrafterCheckpoint
+from lightning_spec.callbacks.plots import AcceptancePlot, draw_acceptance
 from lightning_spec.models.drafters.base import load_drafter
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.drafters.standalone import StandaloneDrafter

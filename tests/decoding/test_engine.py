@@ -155,7 +155,9 @@ def test_vocab_mismatch_is_refused(setup: dict) -> None:
         )
 
 
-def _joint_tv(decoder: SpeculativeDecoder, target: TargetModel, prompt: list[int], runs: int) -> float:
+def _joint_tv(
+    decoder: SpeculativeDecoder, target: TargetModel, prompt: list[int], runs: int
+) -> float:
     """Total variation between the sampled and exact joint law of the 2nd and 3rd new tokens."""
     vocab = target.vocab_size
     generator = torch.Generator().manual_seed(1234)
@@ -218,7 +220,9 @@ def test_kernel_fast_path_is_lossless() -> None:
     prompt = list(range(10, 19))
     expected = autoregressive_generate(target, prompt, 12, stop_on_eos=False)
     drafter = _noisy_copy(target, 0.05, seed=1)
-    decoder = SpeculativeDecoder(target, drafter, parse_tree_spec("dynamic:3,2,6"), use_kernels=True)
+    decoder = SpeculativeDecoder(
+        target, drafter, parse_tree_spec("dynamic:3,2,6"), use_kernels=True
+    )
     assert target.model.config._attn_implementation == "lightning_spec_tree"
     result = decoder.generate(prompt, 12, stop_on_eos=False)
     assert result.tokens == expected

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from lightning_spec.kernels.tree_attention import (
     TRITON_AVAILABLE,
     ancestor_mask,

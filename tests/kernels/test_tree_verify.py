@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+
 from lightning_spec.kernels.tree_verify import (
     TRITON_AVAILABLE,
     tree_verify,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
+from torch.utils.data import DataLoader
+
 from lightning_spec.callbacks.acceptance import AcceptanceEval
 from lightning_spec.callbacks.checkpoint import STATE_FILE, DrafterCheckpoint
 from lightning_spec.callbacks.plots import AcceptancePlot
-from torch.utils.data import DataLoader
-
 from lightning_spec.decoding.engine import _DrafterProposer
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.models.drafters.base import load_drafter

@@ -71,7 +71,12 @@ class Eagle3Layer(nn.Module):
         self.mlp = GatedMLP(hidden, int(config["intermediate_size"]))
 
     def forward(
-        self, embeds: Tensor, hidden: Tensor, position_ids: Tensor, state: KVState, mask: Tensor | None
+        self,
+        embeds: Tensor,
+        hidden: Tensor,
+        position_ids: Tensor,
+        state: KVState,
+        mask: Tensor | None,
     ) -> Tensor:
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
@@ -107,8 +112,12 @@ class Eagle3Drafter(Drafter):
         self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool) if draft_vocab == vocab
-                             else torch.zeros(vocab, dtype=torch.bool))
+        self.register_buffer(
+            "t2d",
+            torch.ones(vocab, dtype=torch.bool)
+            if draft_vocab == vocab
+            else torch.zeros(vocab, dtype=torch.bool),
+        )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -130,7 +139,11 @@ class Eagle3Drafter(Drafter):
         head a sensible vocabulary prior.
         """
         text_config = target.model.config
-        text_config = text_config.get_text_config() if hasattr(text_config, "get_text_config") else text_config
+        text_config = (
+            text_config.get_text_config()
+            if hasattr(text_config, "get_text_config")
+            else text_config
+        )
         vocab = target.vocab_size
         draft_vocab = int(draft_vocab_size or vocab)
         heads = int(num_attention_heads or text_config.num_attention_heads)
@@ -219,8 +232,12 @@ class Eagle3Drafter(Drafter):
     def target_to_draft_ids(self, target_ids: Tensor) -> Tensor:
         if self.draft_vocab_size == self.target_vocab_size:
             return target_ids
-        lookup = torch.full((self.target_vocab_size,), -1, dtype=torch.long, device=target_ids.device)
-        lookup[draft_to_target_ids(self.d2t)] = torch.arange(self.draft_vocab_size, device=target_ids.device)
+        lookup = torch.full(
+            (self.target_vocab_size,), -1, dtype=torch.long, device=target_ids.device
+        )
+        lookup[draft_to_target_ids(self.d2t)] = torch.arange(
+            self.draft_vocab_size, device=target_ids.device
+        )
         return lookup[target_ids]
 
     # ------------------------------------------------------------------ persistence
@@ -251,9 +268,19 @@ class Eagle3Drafter(Drafter):
         if "target_layer_ids" not in config and "eagle_aux_hidden_state_layer_ids" in eagle:
             config["target_layer_ids"] = eagle["eagle_aux_hidden_state_layer_ids"]
         keep = {
-            "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "rms_norm_eps", "rope_theta", "target_hidden_size", "target_vocab_size",
-            "draft_vocab_size", "target_layer_ids", "target_model", "max_position_embeddings",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "rope_theta",
+            "target_hidden_size",
+            "target_vocab_size",
+            "draft_vocab_size",
+            "target_layer_ids",
+            "target_model",
+            "max_position_embeddings",
             "training",
         }
         return cls({k: v for k, v in config.items() if k in keep})
@@ -264,5 +291,7 @@ def _rope_theta(config: Any) -> float:
     if theta is None:
         params = getattr(config, "rope_parameters", None) or {}
         if isinstance(params, dict):
-            theta = params.get("rope_theta") or (params.get("full_attention") or {}).get("rope_theta")
+            theta = params.get("rope_theta") or (params.get("full_attention") or {}).get(
+                "rope_theta"
+            )
     return float(theta or 10000.0)

@@ -25,10 +25,13 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rotary(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rotary(
+    positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """cos, sin [B, 1, T, D] for integer `positions` [B, T] (Llama's half-rotation layout)."""
     inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+        theta
+        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     )
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq  # [B, T, D/2]
     angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)  # [B, 1, T, D]

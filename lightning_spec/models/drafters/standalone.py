@@ -13,7 +13,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_spec.models.cache import cache_kwarg, cache_length, keep_cache_entries, truncate_cache
+from lightning_spec.models.cache import (
+    cache_kwarg,
+    cache_length,
+    keep_cache_entries,
+    truncate_cache,
+)
 from lightning_spec.models.drafters.base import Drafter, DrafterOutput, register_drafter
 from lightning_spec.models.target import tree_mask_to_additive
 
@@ -89,4 +94,6 @@ class StandaloneDrafter(Drafter):
         tied = getattr(self.lm, "_tied_weights_keys", None) or {}
         missing = [k for k in missing if k not in tied]
         if missing or unexpected:
-            raise ValueError(f"drafter weights do not match: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"drafter weights do not match: missing {missing}, unexpected {unexpected}"
+            )
