@@ -10,6 +10,10 @@ fails for want of Triton; ``TRITON_AVAILABLE`` says which case holds. This packa
 nothing else from lightning_spec, so it can be copied or benchmarked on its own.
 """
 
+import importlib
+
+import torch
+
 from .tree_attention import (
     TRITON_AVAILABLE,
     ancestor_mask,
@@ -25,6 +29,7 @@ from .tree_verify import (
 
 __all__ = [
     "TRITON_AVAILABLE",
+    "triton_unavailable_reason",
     "ancestor_mask",
     "tree_attention",
     "tree_attention_reference",
@@ -33,3 +38,24 @@ __all__ = [
     "tree_verify_batched_reference",
     "tree_verify_reference",
 ]
+
+
+def triton_unavailable_reason(device: torch.device | str = "cpu") -> str:
+    """Why the Triton kernels cannot run on `device` in this process ("" when they can).
+
+    On CPU they run only through Triton's interpreter, which must have been switched on
+    (TRITON_INTERPRET=1) before triton was first imported; the kernel objects know.
+    """
+    if not TRITON_AVAILABLE:
+        return "triton is not importable: only the PyTorch reference runs"
+    if torch.device(device).type == "cuda":
+        return ""
+    modules = [
+        importlib.import_module(f"{__name__}.{name}") for name in ("tree_attention", "tree_verify")
+    ]
+    if not all(module._kernels_interpreted() for module in modules):
+        return (
+            "triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it), "
+            "so its kernels cannot run on CPU in this process"
+        )
+    return ""

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_spec.kernels import triton_unavailable_reason
 from lightning_spec.kernels.tree_attention import (
     TRITON_AVAILABLE,
     ancestor_mask,
@@ -29,15 +30,7 @@ from lightning_spec.kernels.tree_attention import (
 # The package re-exports the function under the module's name: fetch the module itself.
 tree_attention_module = importlib.import_module("lightning_spec.kernels.tree_attention")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if not TRITON_AVAILABLE:
-    TRITON_SKIP_REASON = "triton is not importable: only the PyTorch reference is tested"
-elif DEVICE.type == "cpu" and not tree_attention_module._kernels_interpreted():
-    TRITON_SKIP_REASON = (
-        "triton was imported before TRITON_INTERPRET=1 was set (see tests/kernels/conftest.py), "
-        "so its kernels cannot run on CPU in this session"
-    )
-else:
-    TRITON_SKIP_REASON = ""
+TRITON_SKIP_REASON = triton_unavailable_reason(DEVICE)
 requires_triton = pytest.mark.skipif(bool(TRITON_SKIP_REASON), reason=TRITON_SKIP_REASON)
 # Compiling for a GPU happens in a subprocess: it only needs triton installed.
 requires_triton_installed = pytest.mark.skipif(

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from lightning_spec.kernels import triton_unavailable_reason
 from lightning_spec.kernels.tree_verify import (
     TRITON_AVAILABLE,
     tree_verify,
@@ -23,15 +24,7 @@ from lightning_spec.kernels.tree_verify import (
 # The package re-exports the function under the module's name: fetch the module itself.
 tree_verify_module = importlib.import_module("lightning_spec.kernels.tree_verify")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if not TRITON_AVAILABLE:
-    TRITON_SKIP_REASON = "triton is not importable: only the PyTorch reference is tested"
-elif DEVICE.type == "cpu" and not tree_verify_module._kernels_interpreted():
-    TRITON_SKIP_REASON = (
-        "triton was imported before TRITON_INTERPRET=1 was set (see tests/kernels/conftest.py), "
-        "so its kernels cannot run on CPU in this session"
-    )
-else:
-    TRITON_SKIP_REASON = ""
+TRITON_SKIP_REASON = triton_unavailable_reason(DEVICE)
 requires_triton = pytest.mark.skipif(bool(TRITON_SKIP_REASON), reason=TRITON_SKIP_REASON)
 # Compiling for a GPU happens in a subprocess: it only needs triton installed.
 requires_triton_installed = pytest.mark.skipif(
@@ -267,3 +260,10 @@ def test_kernel_compiles_for_hopper(compile_for_gpu) -> None:
     ]
     output = compile_for_gpu("lightning_spec.kernels.tree_verify", builds)
     assert output.count("shared memory bytes") == 2
+
+
+def test_triton_runs_in_this_test_session() -> None:
+    """tests/conftest.py switches the interpreter on early enough: Triton tests must not skip."""
+    if not TRITON_AVAILABLE:
+        pytest.skip("triton is not importable")
+    assert triton_unavailable_reason(DEVICE) == ""
