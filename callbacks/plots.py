@@ -127,8 +127,10 @@ class AcceptancePlot(Callback):
             return  # nothing new was measured in this validation pass
         self._plotted = len(evaluator.history)
         self.last_path = draw_acceptance(evaluator.history, self._path(trainer))
-        for logger in _mlflow_loggers(trainer):
-            logger.experiment.log_artifact(logger.run_id, str(self.last_path), "plots")
+        from lightning_spec.tracking import safe_log_artifact
+
+        for logger in _mlflow_loggers(trainer):  # never fails training (server gone: warns)
+            safe_log_artifact(logger, self.last_path, "plots")
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -142,9 +144,9 @@ class AcceptancePlot(Callback):
         for name in ("best", "last"):
             folder = checkpoint.root(trainer) / name
             if (folder / "config.json").is_file():
+                from lightning_spec.tracking import safe_log_artifact
+
                 for logger in _mlflow_loggers(trainer):
-                    logger.experiment.log_artifacts(
-                        logger.run_id, str(folder), self.drafter_artifact
-                    )
-                log.info("logged drafter folder %s to MLflow", folder)
+                    if safe_log_artifact(logger, folder, self.drafter_artifact):
+                        log.info("logged drafter folder %s to MLflow", folder)
                 return
