@@ -3,8 +3,9 @@
 `fit`, `validate` and `test` are LightningCLI subcommands (configs use `class_path`/`init_args`,
 `${...}` interpolation resolved per file by OmegaConf at load time: a later command-line override
 does not flow into values interpolated from it). Tasks that are not Trainer-shaped (assets,
-bench, export, promote, online, calibrate) live in a small dispatcher in front of LightningCLI,
-each in its own module, imported only when called so `lightning-spec --help` answers fast.
+bench, export, promote, online, calibrate, relog) live in a small dispatcher in front of
+LightningCLI, each in its own module, imported only when called so `lightning-spec --help`
+answers fast.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export": ("lightning_spec.export.cli", "export a drafter to ONNX (and TensorRT engines)"),
     "promote": ("lightning_spec.registry_cli", "register a drafter and move the champion alias"),
     "online": ("lightning_spec.online_cli", "serve prompts while updating the drafter online"),
+    "relog": (
+        "lightning_spec.relog_cli",
+        "replay a run's MLflow mirror into MLflow (after the tracking server went away)",
+    ),
 }
 LIGHTNING_SUBCOMMANDS = {
     "fit": "train a drafter (LightningCLI; --config configs/quickstart.yaml)",
