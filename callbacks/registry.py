@@ -156,6 +156,10 @@ class RegisterDrafter(Callback):
 
         for logger in trainer.loggers:
             if isinstance(logger, MLFlowLogger):
+                if getattr(logger, "offline", False):  # SpecMLFlowLogger lost its store
+                    raise ConnectionError(
+                        f"the MLflow logger went offline ({logger._tracking_uri} unreachable)"
+                    )
                 return logger._tracking_uri, logger.run_id
         from lightning_spec.tracking import default_tracking_uri
 

@@ -30,7 +30,9 @@ class UsageError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning-spec promote", description=__doc__.splitlines()[0]
+        prog="lightning-spec promote",
+        description=__doc__.splitlines()[0],
+        epilog="The promotion rule, the metadata keys and the server setup: docs/registry.md.",
     )
     parser.add_argument("--drafter", required=True, help="drafter folder (config.json + weights)")
     parser.add_argument("--model-name", required=True, help="registered model name")

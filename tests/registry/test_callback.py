@@ -55,6 +55,7 @@ def _fit(target: TargetModel, run_dir: Path, tracking_uri: str, callbacks: list[
     trainer = Trainer(
         accelerator="cpu",
         max_steps=2,
+        log_every_n_steps=1,
         logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -127,6 +128,14 @@ def test_failures_are_logged_unless_strict(
     assert "lightning-spec promote --drafter" in caplog.text and "missing" in caplog.text
     register.strict = True
     with pytest.raises(FileNotFoundError, match="not found"):
+        register.on_fit_end(trainer, module)
+    # A logger that lost its store: nothing is attempted, the error says so.
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    offline = MLFlowLogger.__new__(MLFlowLogger)
+    offline.offline, offline._tracking_uri = True, "http://127.0.0.1:9"
+    trainer.loggers = [offline]
+    with pytest.raises(ConnectionError, match="went offline"):
         register.on_fit_end(trainer, module)
     trainer.is_global_zero = False
     register.on_fit_end(trainer, module)  # other ranks do nothing

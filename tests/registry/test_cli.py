@@ -109,3 +109,20 @@ def test_usage_errors_exit_2(
     Eagle3Drafter.from_target(other).save_pretrained(tmp_path / "other")
     assert main(_args(assets, str(tmp_path / "other"), tracking_uri)) == 2
     assert "another tokenizer" in capsys.readouterr().err
+
+
+def test_help_imports_nothing_heavy() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lightning_spec.cli as c\n"
+        "try:\n    c.main(['promote', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('mlflow', 'torch', 'transformers', 'lightning') "
+        "if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert "--model-name" in result.stdout and "docs/registry.md" in result.stdout
+    assert result.stdout.strip().endswith("[]"), result.stdout
