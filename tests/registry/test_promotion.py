@@ -127,52 +127,72 @@ def test_comparable_figures_decide_and_are_logged(registry, tracking_uri: str) -
     assert client.get_run(run_id).data.tags["promotion/outcome"] == "champion"
 
 
+def _reset(tracking_uri: str, name: str, champion: str, candidate: str, **tags: str) -> None:
+    """Champion alias back on `champion`, no challenger, candidate tags replaced."""
+    client = registry_client(tracking_uri)
+    client.set_registered_model_alias(name, "champion", champion)
+    if "challenger" in client.get_registered_model(name).aliases:
+        client.delete_registered_model_alias(name, "challenger")
+    for key, value in tags.items():
+        if value is None:
+            client.delete_model_version_tag(name, candidate, key)
+        else:
+            client.set_model_version_tag(name, candidate, key, value)
+
+
 def test_margin_edges(registry, tracking_uri: str) -> None:  # noqa: ANN001
-    _promote(registry, registry("random", 2.0), tracking_uri)
-    at_margin = registry("self", 2.05)
-    assert _promote(registry, at_margin, tracking_uri, margin=0.05).outcome == "challenger"
-    above = registry("self", 2.0501)
-    assert _promote(registry, above, tracking_uri, margin=0.05).outcome == "champion"
-    equal = registry("random2", 2.0501)
-    assert _promote(registry, equal, tracking_uri, margin=0.0).outcome == "challenger"
-    assert _promote(registry, registry("random2", 2.0502), tracking_uri, margin=0.0).promoted
-    much_better = registry("self", 3.0)
-    assert _promote(registry, much_better, tracking_uri, margin=1.0).outcome == "challenger"
+    champion = registry("random", 2.0)
+    _promote(registry, champion, tracking_uri)
+    candidate = registry("self", 2.0)
+    for tau, margin, outcome in [
+        ("2.05", 0.05, "challenger"),  # equal to champion + margin: not enough
+        ("2.0501", 0.05, "champion"),
+        ("2.0", 0.0, "challenger"),  # a tie never moves the alias
+        ("2.0001", 0.0, "champion"),
+        ("3.0", 1.0, "challenger"),
+        ("3.0001", 1.0, "champion"),
+    ]:
+        _reset(tracking_uri, registry.name, champion, candidate, **{"tau/toy/T0": tau})
+        decision = _promote(registry, candidate, tracking_uri, margin=margin)
+        assert decision.outcome == outcome, (tau, margin, decision.reason)
     with pytest.raises(ValueError, match="margin"):
-        _promote(registry, much_better, tracking_uri, margin=-0.1)
+        _promote(registry, candidate, tracking_uri, margin=-0.1)
 
 
-@pytest.mark.parametrize(
-    ("champion_conditions", "why"),
-    [
-        ({"tree": "chain:2"}, "tree"),
-        ({"temperature": 0.7}, "no tau/toy/T0 figure"),
-        ({"prompt_set": "other"}, "no tau/toy/T0 figure"),
-        ({"max_new_tokens": 32}, "32 new tokens"),
-        ({"target": "another-target"}, "different targets"),
-        ({"tree": None}, "tree None"),
-    ],
-)
 def test_incomparable_figures_are_remeasured_side_by_side(
     registry,  # noqa: ANN001
     tracking_uri: str,
-    champion_conditions: dict,
-    why: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    champion = registry("random", 3.0, **champion_conditions)
+    champion = registry("random", 3.0, target="tiny-llama")
     _promote(registry, champion, tracking_uri)
     candidate = registry("self", 1.5)
-    measure = Measure(candidate=1.5, champion=1.2)
-    with caplog.at_level("INFO", logger="lightning_spec.promotion"):
-        decision = _promote(registry, candidate, tracking_uri, measure=measure)
-    assert measure.calls == [{"candidate": "StandaloneDrafter", "champion": "Eagle3Drafter"}]
-    assert why in caplog.text
-    assert not decision.comparable and decision.remeasured
-    # The stored 3.0 is ignored: the side-by-side figures decide.
-    assert (decision.candidate_tau, decision.champion_tau) == (1.5, 1.2)
-    assert decision.outcome == "champion"
-    assert "re-measured side by side" in decision.reason
+    baseline = {"tau/toy/T0": "1.5", "tree": "chain:3", "max_new_tokens": "16"}
+    baseline["target_model"] = "tiny-llama"
+    cases = [
+        ({"tree": "chain:2"}, "candidate measured with tree 'chain:2'"),
+        ({"tree": None}, "candidate measured with tree None"),
+        ({"tau/toy/T0": None, "tau/toy/T0.7": "1.5"}, "candidate no tau/toy/T0 figure"),
+        ({"tau/toy/T0": None, "tau/other/T0": "1.5"}, "candidate no tau/toy/T0 figure"),
+        ({"max_new_tokens": "32"}, "candidate measured with 32 new tokens"),
+        ({"target_model": "another-target"}, "different targets"),
+    ]
+    for change, why in cases:
+        _reset(tracking_uri, registry.name, champion, candidate, **{**baseline, **change})
+        measure = Measure(candidate=1.5, champion=1.2)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="lightning_spec.promotion"):
+            decision = _promote(registry, candidate, tracking_uri, measure=measure)
+        assert measure.calls == [{"candidate": "StandaloneDrafter", "champion": "Eagle3Drafter"}]
+        assert why in caplog.text, (why, caplog.text)
+        assert not decision.comparable and decision.remeasured
+        # The stored 3.0 is ignored: the side-by-side figures decide.
+        assert (decision.candidate_tau, decision.champion_tau) == (1.5, 1.2)
+        assert decision.outcome == "champion" and "re-measured side by side" in decision.reason
+    # With every condition equal the stored figures decide (1.5 against 3.0), nothing measured.
+    _reset(tracking_uri, registry.name, champion, candidate, **baseline)
+    decision = _promote(registry, candidate, tracking_uri)
+    assert decision.comparable and decision.outcome == "challenger"
 
 
 def test_missing_figures_are_remeasured_and_kept(registry, tracking_uri: str) -> None:  # noqa: ANN001
