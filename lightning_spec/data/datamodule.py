@@ -737,7 +737,15 @@ class RolloutDataModule(pl.LightningDataModule):
                 max_length=self.max_length,
                 target_id=f"{self._target_id}|{self.target_dtype}",
                 progress=self.progress,
+                select=self._selected,
             )
+
+    def _selected(self, record: RolloutRecord) -> bool:
+        """Whether a stored record belongs to this run (``max_conversations`` of the source)."""
+        if self.max_conversations is None:
+            return True
+        order = record.meta.get("order")
+        return order is not None and int(order) < self.max_conversations
 
     def prepare_data(self) -> None:
         """Render the dataset and, on a single process, regenerate and cache features.
@@ -799,10 +807,7 @@ class RolloutDataModule(pl.LightningDataModule):
                     info.name, feature_config=config, key="last_hidden"
                 )
             for record in store.read_shard(info):
-                order = record.meta.get("order")
-                if self.max_conversations is not None and (
-                    order is None or int(order) >= self.max_conversations
-                ):
+                if not self._selected(record):
                     continue
                 record = record.truncated(self.max_length)
                 if record.num_loss_tokens == 0:

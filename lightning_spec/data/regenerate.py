@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from lightning_spec.data.chat import render_prompt
 from lightning_spec.data.rollouts import RolloutRecord, RolloutStore, ShardInfo
@@ -329,10 +330,15 @@ def cache_features(
     max_length: int | None = None,
     target_id: str | None = None,
     progress: bool = False,
+    select: Callable[[RolloutRecord], bool] | None = None,
 ) -> int:
-    """Compute and store the target's fused features and final hidden states for every token
-    shard of ``store`` that has none yet, until the cache would exceed ``cap_bytes``; return the
-    bytes cached now.
+    """Compute and store the target's fused features and final hidden states of the records of
+    ``store`` that have none yet, until the cache would exceed ``cap_bytes``; return the bytes
+    cached now.
+
+    ``select`` limits the work to the records a run uses (a run over the first N conversations
+    of a store rendered for more must not pay the target for all of them); a later run that
+    selects more records adds theirs to the same shard files.
 
     Features of token t depend only on tokens <= t (causal attention), so a record truncated
     to ``max_length`` later still matches its cached prefix.
@@ -343,15 +349,24 @@ def cache_features(
     if store.feature_cache_full(config):
         return 0
     cached = store.feature_shards(config)
+    plan: list[tuple[Any, list[RolloutRecord], dict[str, Tensor], dict[str, Tensor]]] = []
+    for info in store.shards():
+        wanted = [r for r in store.read_shard(info) if select is None or select(r)]
+        have: dict[str, Tensor] = {}
+        have_last: dict[str, Tensor] = {}
+        if info.name in cached:
+            have = store.read_features(info.name, feature_config=config)
+            have_last = store.read_features(info.name, feature_config=config, key="last_hidden")
+        missing = [r.truncated(max_length) for r in wanted if r.id not in have]
+        if missing:
+            plan.append((info, missing, have, have_last))
     written = 0
-    shards = [s for s in store.shards() if s.name not in cached]
-    with _progress(progress, len(shards), "caching features") as bar:
-        task = bar.add_task("features", total=len(shards), rate=0.0)
+    total_records = sum(len(missing) for _, missing, _, _ in plan)
+    with _progress(progress, total_records, "caching features") as bar:
+        task = bar.add_task("features", total=total_records, rate=0.0)
         start, tokens = time.perf_counter(), 0
-        for info in shards:
-            records = [r.truncated(max_length) for r in store.read_shard(info)]
-            features: dict[str, torch.Tensor] = {}
-            last_hidden: dict[str, torch.Tensor] = {}
+        for info, records, have, have_last in plan:
+            features, last_hidden = dict(have), dict(have_last)
             order = sorted(range(len(records)), key=lambda i: len(records[i]))
             for lo in range(0, len(order), batch_size):
                 batch = [records[i] for i in order[lo : lo + batch_size]]
@@ -370,6 +385,8 @@ def cache_features(
                     features[record.id] = output.features[row, : len(record)].to("cpu")
                     last_hidden[record.id] = output.last_hidden[row, : len(record)].to("cpu")
                     tokens += len(record)
+                rate = tokens / max(time.perf_counter() - start, 1e-9)
+                bar.update(task, advance=len(batch), rate=rate)
             if not store.write_features(
                 info.name,
                 features,
@@ -378,7 +395,10 @@ def cache_features(
                 last_hidden=last_hidden,
             ):
                 break
-            written += sum(int(f.numel()) * 2 for f in [*features.values(), *last_hidden.values()])
-            rate = tokens / max(time.perf_counter() - start, 1e-9)
-            bar.update(task, advance=1, rate=rate)
+            written += sum(
+                int(f.numel()) * 2
+                for rid in features
+                if rid not in have
+                for f in (features[rid], last_hidden[rid])
+            )
     return written

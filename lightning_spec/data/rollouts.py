@@ -679,13 +679,15 @@ class RolloutStore:
         with self._locked():
             manifest = self.manifest()
             section = self._feature_section(manifest, feature_config)
-            if section.get("full") or section["bytes"] + len(data) > cap_bytes:
+            previous = section["shards"].get(shard)  # replaced by a superset of its records
+            used = section["bytes"] - (int(previous["bytes"]) if previous else 0)
+            if section.get("full") or used + len(data) > cap_bytes:
                 if not section.get("full"):
                     log.info(
                         "feature cache in %s reached its cap (%d of %d bytes used; next shard "
                         "needs %d): remaining shards get features online",
                         self.directory,
-                        section["bytes"],
+                        used,
                         cap_bytes,
                         len(data),
                     )
@@ -702,7 +704,7 @@ class RolloutStore:
                 "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(),
             }
-            section["bytes"] += len(data)
+            section["bytes"] = used + len(data)
             manifest["updated"] = _now()
             atomic_write_json(self.directory / MANIFEST, manifest)
         return True

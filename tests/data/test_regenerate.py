@@ -320,3 +320,48 @@ def test_feature_cache_stops_at_its_cap(tmp_path: Path, tiny_target, chat_tokeni
     assert 1 <= len(store.feature_shards(config)) < 3
     assert store.feature_cache_full(config)
     assert store.manifest()["features"]["bytes"] <= cap
+
+
+def test_feature_cache_covers_only_selected_records_and_grows(
+    tmp_path: Path, tiny_target, chat_tokenizer
+) -> None:
+    """A run over part of a store caches only its records; a later run selecting more adds
+    theirs to the same shard files (the earlier ones are kept, not recomputed)."""
+    store = RolloutStore(tmp_path, CONFIG)
+    regenerate(
+        tiny_target,
+        chat_tokenizer,
+        _prompts(6),
+        store,
+        settings=_settings(8),
+        records_per_shard=4,
+        progress=False,
+    )
+    config = feature_config(tiny_target)
+    records = [r for info in store.shards() for r in store.read_shard(info)]
+    first = {records[0].id, records[1].id}
+    written = cache_features(tiny_target, store, cap_bytes=10**9, select=lambda r: r.id in first)
+    cached = {
+        rid
+        for info in store.shards()
+        for rid in store.read_features(info.name, feature_config=config)
+    }
+    assert cached == first
+    assert written == sum(
+        (tiny_target.feature_size + tiny_target.hidden_size) * 2 * len(r) for r in records[:2]
+    )
+    shard = store.shards()[0].name
+    before = store.read_features(shard, feature_config=config)[records[0].id].clone()
+
+    later = {r.id for r in records[:5]}
+    cache_features(tiny_target, store, cap_bytes=10**9, select=lambda r: r.id in later)
+    cached = {
+        rid
+        for info in store.shards()
+        for rid in store.read_features(info.name, feature_config=config)
+    }
+    assert cached == later
+    assert torch.equal(store.read_features(shard, feature_config=config)[records[0].id], before)
+    section_bytes = store.manifest()["features"]["bytes"]
+    assert section_bytes == sum(e["bytes"] for e in store.feature_shards(config).values())
+    assert cache_features(tiny_target, store, cap_bytes=10**9, select=lambda r: r.id in later) == 0
