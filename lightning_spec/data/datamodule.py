@@ -49,8 +49,9 @@ from lightning_spec.data.rollouts import RolloutRecord, RolloutStore, tokenizer_
 log = logging.getLogger(__name__)
 
 MODES = ("dataset", "online", "regenerated", "mixture", "on_policy")
-Entry = tuple[RolloutRecord, Tensor | None, Tensor | None]
-"""A record with its cached features [T, F] and final hidden states [T, H] (None if absent)."""
+Entry = tuple[RolloutRecord, Tensor | None, Tensor | None, Tensor | None]
+"""A record with its cached features [T, F], final hidden states [T, H] and target argmax [T]
+(None if absent)."""
 DEFAULT_RECORDS_PER_SHARD = 256
 
 
@@ -87,6 +88,7 @@ class RecordTable(Dataset):
         records: Sequence[RolloutRecord],
         features: Sequence[Tensor | None] = (),
         last_hidden: Sequence[Tensor | None] = (),
+        target_argmax: Sequence[Tensor | None] = (),
     ) -> None:
         self.ids = [r.id for r in records]
         self.sources = [r.source for r in records]
@@ -102,8 +104,11 @@ class RecordTable(Dataset):
         )
         self.features = list(features) if features else [None] * len(records)
         self.last_hidden = list(last_hidden) if last_hidden else [None] * len(records)
-        if len(self.features) != len(records) or len(self.last_hidden) != len(records):
-            raise ValueError("one features and one last_hidden entry (or None) per record")
+        self.target_argmax = list(target_argmax) if target_argmax else [None] * len(records)
+        if {len(self.features), len(self.last_hidden), len(self.target_argmax)} != {len(records)}:
+            raise ValueError(
+                "one features, last_hidden and target_argmax entry (or None) per record"
+            )
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -117,6 +122,7 @@ class RecordTable(Dataset):
             "loss_mask": torch.from_numpy(self.loss_mask[lo:hi].astype(np.int64)),
             "features": self.features[index],
             "last_hidden": self.last_hidden[index],
+            "target_argmax": self.target_argmax[index],
         }
 
 
@@ -145,6 +151,13 @@ def collate_records(rows: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str
         last_hidden = _stack_cached(rows, "last_hidden", width)
         if last_hidden is not None:
             batch["last_hidden"] = last_hidden
+            argmax = [r.get("target_argmax") for r in rows]
+            if all(a is not None for a in argmax):
+                ids = torch.zeros((batch_size, width), dtype=torch.long)
+                for row, values in enumerate(argmax):
+                    length = min(int(values.shape[0]), width)
+                    ids[row, :length] = values[:length].long()
+                batch["target_argmax"] = ids
     batch["source"] = [str(r["source"]) for r in rows]
     batch["ids"] = [str(r["id"]) for r in rows]
     return batch
@@ -800,12 +813,13 @@ class RolloutDataModule(pl.LightningDataModule):
         entries: list[Entry] = []
         dropped = 0
         for info in store.shards():
-            features, last_hidden = {}, {}
+            features, last_hidden, argmax = {}, {}, {}
             if config is not None:
                 features = store.read_features(info.name, feature_config=config)
                 last_hidden = store.read_features(
                     info.name, feature_config=config, key="last_hidden"
                 )
+                argmax = store.read_features(info.name, feature_config=config, key="target_argmax")
             for record in store.read_shard(info):
                 if not self._selected(record):
                     continue
@@ -813,7 +827,14 @@ class RolloutDataModule(pl.LightningDataModule):
                 if record.num_loss_tokens == 0:
                     dropped += 1
                     continue
-                entries.append((record, features.get(record.id), last_hidden.get(record.id)))
+                entries.append(
+                    (
+                        record,
+                        features.get(record.id),
+                        last_hidden.get(record.id),
+                        argmax.get(record.id),
+                    )
+                )
         if dropped:
             log.info("%s: %d records without loss tokens after truncation dropped", kind, dropped)
         return entries
@@ -848,7 +869,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 if entry[0].id in keep:
                     index[(kind, entry[0].id)] = len(kept)
                     kept.append(entry)
-        table = RecordTable([e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept])
+        table = RecordTable(
+            [e[0] for e in kept], [e[1] for e in kept], [e[2] for e in kept], [e[3] for e in kept]
+        )
         if self.mode != "mixture":
             return table, EpochPlan(len(table))
         ids = sorted({entry[0].id for entry in kept})

@@ -317,6 +317,7 @@ def feature_config(target: Any, target_id: str | None = None) -> dict[str, Any]:
         "dtype": str(getattr(target, "dtype", "")),
         "stored_as": "float16",
         "last_hidden": True,
+        "target_argmax": True,
     }
 
 
@@ -349,24 +350,26 @@ def cache_features(
     if store.feature_cache_full(config):
         return 0
     cached = store.feature_shards(config)
-    plan: list[tuple[Any, list[RolloutRecord], dict[str, Tensor], dict[str, Tensor]]] = []
+    plan: list[tuple[Any, list[RolloutRecord], dict[str, Tensor], ...]] = []
     for info in store.shards():
         wanted = [r for r in store.read_shard(info) if select is None or select(r)]
         have: dict[str, Tensor] = {}
         have_last: dict[str, Tensor] = {}
+        have_argmax: dict[str, Tensor] = {}
         if info.name in cached:
             have = store.read_features(info.name, feature_config=config)
             have_last = store.read_features(info.name, feature_config=config, key="last_hidden")
+            have_argmax = store.read_features(info.name, feature_config=config, key="target_argmax")
         missing = [r.truncated(max_length) for r in wanted if r.id not in have]
         if missing:
-            plan.append((info, missing, have, have_last))
+            plan.append((info, missing, have, have_last, have_argmax))
     written = 0
-    total_records = sum(len(missing) for _, missing, _, _ in plan)
+    total_records = sum(len(entry[1]) for entry in plan)
     with _progress(progress, total_records, "caching features") as bar:
         task = bar.add_task("features", total=total_records, rate=0.0)
         start, tokens = time.perf_counter(), 0
-        for info, records, have, have_last in plan:
-            features, last_hidden = dict(have), dict(have_last)
+        for info, records, have, have_last, have_argmax in plan:
+            features, last_hidden, argmax = dict(have), dict(have_last), dict(have_argmax)
             order = sorted(range(len(records)), key=lambda i: len(records[i]))
             for lo in range(0, len(order), batch_size):
                 batch = [records[i] for i in order[lo : lo + batch_size]]
@@ -384,6 +387,7 @@ def cache_features(
                 for row, record in enumerate(batch):
                     features[record.id] = output.features[row, : len(record)].to("cpu")
                     last_hidden[record.id] = output.last_hidden[row, : len(record)].to("cpu")
+                    argmax[record.id] = output.logits[row, : len(record)].argmax(-1).to("cpu")
                     tokens += len(record)
                 rate = tokens / max(time.perf_counter() - start, 1e-9)
                 bar.update(task, advance=len(batch), rate=rate)
@@ -393,6 +397,7 @@ def cache_features(
                 feature_config=config,
                 cap_bytes=cap_bytes,
                 last_hidden=last_hidden,
+                target_argmax=argmax,
             ):
                 break
             written += sum(

@@ -656,6 +656,7 @@ class RolloutStore:
         feature_config: Mapping[str, Any],
         cap_bytes: int,
         last_hidden: Mapping[str, Tensor] | None = None,
+        target_argmax: Mapping[str, Tensor] | None = None,
     ) -> bool:
         """Cache ``{record id: [T, F]}`` features (stored fp16) for token shard ``shard``, and
         optionally the target's final hidden states ``{record id: [T, H]}`` (with both, an
@@ -672,6 +673,16 @@ class RolloutStore:
             if any(last_hidden[i].shape[0] != features[i].shape[0] for i in ids):
                 raise ValueError("last_hidden and features must cover the same tokens")
             tensors["last_hidden"] = _flatten_rows([last_hidden[i] for i in ids], "last_hidden")
+        if target_argmax is not None:
+            # The target's full-vocabulary argmax per token: the exact label of acceptance
+            # metrics, which the LM head on `last_hidden` would otherwise recompute in full.
+            if any(target_argmax[i].shape != features[i].shape[:1] for i in ids):
+                raise ValueError("target_argmax and features must cover the same tokens")
+            tensors["target_argmax"] = (
+                torch.cat([target_argmax[i].reshape(-1).to("cpu", torch.int32) for i in ids])
+                if ids
+                else torch.zeros(0, dtype=torch.int32)
+            )
         offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor([features[i].shape[0] for i in ids], dtype=torch.int64).cumsum(0)
         tensors["offsets"] = offsets

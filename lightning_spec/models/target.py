@@ -110,6 +110,33 @@ class TargetModel(nn.Module):
         self.name = name or getattr(config, "_name_or_path", "") or type(model).__name__
         self.train(False)
 
+    def __getstate__(self) -> dict:
+        """Pickle without transformers' output-capturing forward hooks (local functions that
+        cannot be pickled; installed on the first forward). The copy re-installs them on its own
+        first forward; the live model keeps its hooks."""
+        state = super().__getstate__()
+        if not any(
+            getattr(m, "_output_capturing_hooks_installed", False) for m in self.model.modules()
+        ):
+            return state
+        import copy
+
+        model = copy.deepcopy(self.model)
+        for module in model.modules():
+            stale = [
+                key
+                for key, hook in module._forward_hooks.items()
+                if getattr(hook, "__name__", "") == "output_capturing_hook"
+            ]
+            for key in stale:
+                module._forward_hooks.pop(key, None)
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+            if getattr(module, "_output_capturing_hooks_installed", False):
+                module._output_capturing_hooks_installed = False
+        state["_modules"] = {**state["_modules"], "model": model}
+        return state
+
     def __setstate__(self, state: dict) -> None:
         """Re-register output capturing after unpickling (ddp_spawn sends modules by pickle).
 

@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "EagleSFT",
     "WarmupCosine",
+    "cached_ttt_labels",
     "draft_token_counts",
     "eagle_ttt_losses",
     "ttt_attention_mask",
@@ -178,6 +179,27 @@ def ttt_labels(drafter: Drafter, *, target_logits: Tensor) -> tuple[Tensor, Tens
     rows = target_logits[:, 1:]  # [B, L, V]
     label_logits = losses.restrict_to_draft_vocab(target_logits=rows, draft_ids=_draft_ids(drafter))
     return torch.softmax(label_logits.float(), dim=-1), rows.argmax(dim=-1)
+
+
+@torch.no_grad()
+def cached_ttt_labels(
+    drafter: Drafter, *, head: torch.nn.Module, last_hidden: Tensor, target_argmax: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`ttt_labels` from cached target outputs without the full-vocabulary LM head.
+
+    last_hidden [B, T, H] (the target's final hidden states), target_argmax [B, T] (its
+    full-vocabulary argmax, cached with the features). Only the draft-vocabulary rows of the
+    head are applied: on SmolLM2 with a 4k draft vocabulary that is 12x less work than the
+    49k-row head, about a third of a cached training step otherwise.
+    """
+    draft_ids = _draft_ids(drafter)
+    weight = head.weight if draft_ids is None else head.weight.index_select(0, draft_ids)
+    bias = getattr(head, "bias", None)
+    if bias is not None and draft_ids is not None:
+        bias = bias.index_select(0, draft_ids)
+    hidden = last_hidden[:, 1:].to(weight.dtype)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return torch.softmax(logits.float(), dim=-1), target_argmax[:, 1:].long()
 
 
 def eagle_ttt_losses(
@@ -439,9 +461,18 @@ class EagleSFT(LightningModule):
                     "EagleSFT expects right-padded batches (attention_mask 1...1 0...0)"
                 )
             loss_mask = loss_mask * attention
-        features, target_logits = self._target_outputs(batch)
-        target_probs, target_argmax = ttt_labels(self.drafter, target_logits=target_logits)
-        del target_logits  # the full-vocabulary logits are the largest tensor of the step
+        if {"features", "last_hidden", "target_argmax"} <= set(batch):
+            features = batch["features"]
+            target_probs, target_argmax = cached_ttt_labels(
+                self.drafter,
+                head=self.target.model.get_output_embeddings(),
+                last_hidden=batch["last_hidden"],
+                target_argmax=batch["target_argmax"],
+            )
+        else:
+            features, target_logits = self._target_outputs(batch)
+            target_probs, target_argmax = ttt_labels(self.drafter, target_logits=target_logits)
+            del target_logits  # the full-vocabulary logits are the largest tensor of the step
         return eagle_ttt_losses(
             self.drafter,
             input_ids=input_ids,

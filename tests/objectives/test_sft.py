@@ -166,6 +166,32 @@ def test_cached_features_give_the_online_loss(target: TargetModel) -> None:
     torch.testing.assert_close(cached.loss, online.loss)
     torch.testing.assert_close(cached.step_accuracy, online.step_accuracy)
     assert online.tokens == int(sft.ttt_loss_masks(batch["loss_mask"], steps=1).sum())
+    # with the cached argmax too, the labels skip the full-vocabulary head: same loss
+    argmax = {**batch, "features": output.features, "last_hidden": output.last_hidden}
+    argmax["target_argmax"] = output.logits.argmax(-1)
+    fast = module._common_step(argmax)
+    torch.testing.assert_close(fast.loss, online.loss)
+    torch.testing.assert_close(fast.step_accuracy, online.step_accuracy)
+
+
+def test_cached_labels_by_hand() -> None:
+    """Draft vocabulary = target ids (0, 2): labels are the softmax of those two head rows."""
+    head = torch.nn.Linear(2, 3, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+
+    class Draft:
+        target_vocab_size = 3
+        draft_vocab_size = 2
+        d2t = torch.tensor([0, 1])  # draft id d -> target id d + d2t[d]: 0 -> 0, 1 -> 2
+
+    hidden = torch.tensor([[[9.0, 9.0], [2.0, 0.0], [0.0, 0.0]]])
+    probs, argmax = sft.cached_ttt_labels(
+        Draft(), head=head, last_hidden=hidden, target_argmax=torch.tensor([[5, 1, 2]])
+    )
+    # rows 1 and 2 of the sequence: logits over target ids (0, 2) = (2, 2) and (0, 0)
+    torch.testing.assert_close(probs, torch.full((1, 2, 2), 0.5))
+    assert argmax.tolist() == [[1, 2]]
 
 
 def test_warmup_cosine_by_hand() -> None:
