@@ -580,13 +580,17 @@ def run_bench(
             results = {method: runner.run(method, prompt, counter) for method in run_order}
             reference = None
             if greedy:
-                reference = (
-                    results["autoregressive"].tokens
-                    if "autoregressive" in results
-                    else autoregressive_generate(
+                # The target's own greedy output: our autoregressive loop or HF greedy
+                # `generate` when either ran (equal token for token, tests/models), else one
+                # extra greedy decode.
+                if "autoregressive" in results:
+                    reference = results["autoregressive"].tokens
+                elif "hf_generate" in results:
+                    reference = results["hf_generate"].tokens
+                else:
+                    reference = autoregressive_generate(
                         target, prompt, max_new_tokens, stop_on_eos=stop_on_eos
                     )
-                )
             entry = {
                 "dataset": dataset,
                 "index": index,
