@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target (SmolLM2-135M-Instruct), from a fresh machine:
 # set up, fetch the model and data, train an EAGLE-3 drafter (configs/quickstart.yaml, about
-# 10 minutes on 2 CPU cores), bench it on 20 MT-Bench prompts against HF greedy `generate` and
+# 7 minutes on 2 CPU cores), bench it on 20 MT-Bench prompts against HF greedy `generate` and
 # HF prompt lookup, and print tau, speedup, the MLflow run and the drafter folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=runs/quickstart
-TREE="${QUICKSTART_TREE:-dynamic:5,8,24}"
+TREE="${QUICKSTART_TREE:-dynamic:6,10,32}"
 bash scripts/setup.sh
 .venv/bin/lightning-spec assets
 if [ -e "$RUN" ]; then
@@ -15,6 +15,6 @@ if [ -e "$RUN" ]; then
 fi
 .venv/bin/lightning-spec fit --config configs/quickstart.yaml
 .venv/bin/lightning-spec bench --drafter "$RUN/drafter/last" --dataset mtbench --limit 20 \
-  --max-new-tokens 32 --tree "$TREE" --methods hf_generate,hf_prompt_lookup,speculative \
+  --max-new-tokens 24 --tree "$TREE" --methods hf_generate,hf_prompt_lookup,speculative \
   --no-progress --output "$RUN/bench.json" > /dev/null
 .venv/bin/python -m lightning_spec.quickstart_report "$RUN" "$RUN/bench.json"
