@@ -618,26 +618,39 @@ class RolloutStore:
 
     # ------------------------------------------------------------------ feature cache
     def _feature_section(
-        self, manifest: dict[str, Any], feature_config: Mapping[str, Any]
+        self, manifest: dict[str, Any], feature_config: Mapping[str, Any], *, replace: bool = False
     ) -> dict[str, Any]:
+        """The manifest's feature-cache section for ``feature_config``.
+
+        Cached features are derived data: a cache made under another configuration (another
+        target, dtype or cached fields) reads as empty, and the first write under the new
+        configuration replaces it (``replace=True``, with the manifest lock held), deleting the
+        old feature files but never the token shards.
+        """
         wanted = config_hash(feature_config)
+        fresh = {
+            "config_hash": wanted,
+            "config": dict(feature_config),
+            "bytes": 0,
+            "full": False,
+            "shards": {},
+        }
         section = manifest.get("features")
         if section is None:
-            section = {
-                "config_hash": wanted,
-                "config": dict(feature_config),
-                "bytes": 0,
-                "full": False,
-                "shards": {},
-            }
-            manifest["features"] = section
+            manifest["features"] = section = fresh
         elif section.get("config_hash") != wanted:
+            if not replace:
+                return fresh
             differs = _diff_keys(section.get("config") or {}, feature_config)
-            raise ConfigMismatchError(
-                f"the feature cache in {self.directory} was made under another configuration "
-                f"(differs in: {', '.join(differs) or 'unknown'}). Delete {self.directory} or "
-                "use another cache dir."
+            log.warning(
+                "the feature cache in %s was made under another configuration (differs in: "
+                "%s): replacing it",
+                self.directory,
+                ", ".join(differs) or "unknown",
             )
+            for entry in (section.get("shards") or {}).values():
+                (self.directory / entry["name"]).unlink(missing_ok=True)
+            manifest["features"] = section = fresh
         return section
 
     def feature_shards(self, feature_config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -689,7 +702,7 @@ class RolloutStore:
         data = save(tensors, metadata={"ids": json.dumps(ids), "shard": shard})
         with self._locked():
             manifest = self.manifest()
-            section = self._feature_section(manifest, feature_config)
+            section = self._feature_section(manifest, feature_config, replace=True)
             previous = section["shards"].get(shard)  # replaced by a superset of its records
             used = section["bytes"] - (int(previous["bytes"]) if previous else 0)
             if section.get("full") or used + len(data) > cap_bytes:

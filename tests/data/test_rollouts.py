@@ -288,8 +288,19 @@ def test_feature_cache_respects_its_cap(tmp_path: Path) -> None:
     total = store.manifest()["features"]["bytes"]
     assert total <= cap
     assert verify_store(tmp_path) == []
-    with pytest.raises(ConfigMismatchError, match="feature cache"):
-        store.feature_shards({"target": "other"})
+    # Features are derived data: another configuration reads as empty, and its first write
+    # replaces the old cache (files deleted, token shards kept).
+    other = {"target": "other"}
+    assert store.feature_shards(other) == {} and not store.feature_cache_full(other)
+    old_file = store.directory / store.feature_shards(feature_config)[infos[0].name]["name"]
+    assert old_file.is_file()
+    rows = {r.id: torch.randn(len(r), 4) for r in store.read_shard(infos[1])}
+    assert store.write_features(infos[1].name, rows, feature_config=other, cap_bytes=cap)
+    assert set(store.feature_shards(other)) == {infos[1].name}
+    assert store.feature_shards(feature_config) == {}
+    assert not old_file.exists()  # the old configuration's shard-0 features are gone
+    assert store.num_records == sum(i.records for i in infos)
+    assert verify_store(tmp_path) == []
 
 
 def test_cached_last_hidden_must_match_the_features(tmp_path: Path) -> None:
