@@ -815,11 +815,10 @@ class RolloutDataModule(pl.LightningDataModule):
         for info in store.shards():
             features, last_hidden, argmax = {}, {}, {}
             if config is not None:
-                features = store.read_features(info.name, feature_config=config)
-                last_hidden = store.read_features(
-                    info.name, feature_config=config, key="last_hidden"
-                )
-                argmax = store.read_features(info.name, feature_config=config, key="target_argmax")
+                cached = store.read_cached(info.name, feature_config=config)
+                features = cached["features"]
+                last_hidden = cached["last_hidden"]
+                argmax = cached["target_argmax"]
             for record in store.read_shard(info):
                 if not self._selected(record):
                     continue

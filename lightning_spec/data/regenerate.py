@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.data.chat import render_prompt
-from lightning_spec.data.rollouts import RolloutRecord, RolloutStore, ShardInfo
+from lightning_spec.data.rollouts import CACHED_FIELDS, RolloutRecord, RolloutStore, ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -350,26 +350,25 @@ def cache_features(
     if store.feature_cache_full(config):
         return 0
     cached = store.feature_shards(config)
-    plan: list[tuple[Any, list[RolloutRecord], dict[str, Tensor], ...]] = []
+    plan: list[tuple[Any, list[RolloutRecord], dict[str, dict[str, Tensor]]]] = []
     for info in store.shards():
         wanted = [r for r in store.read_shard(info) if select is None or select(r)]
-        have: dict[str, Tensor] = {}
-        have_last: dict[str, Tensor] = {}
-        have_argmax: dict[str, Tensor] = {}
         if info.name in cached:
-            have = store.read_features(info.name, feature_config=config)
-            have_last = store.read_features(info.name, feature_config=config, key="last_hidden")
-            have_argmax = store.read_features(info.name, feature_config=config, key="target_argmax")
-        missing = [r.truncated(max_length) for r in wanted if r.id not in have]
+            have = store.read_cached(info.name, feature_config=config)
+        else:
+            have = {key: {} for key in CACHED_FIELDS}
+        missing = [r.truncated(max_length) for r in wanted if r.id not in have["features"]]
         if missing:
-            plan.append((info, missing, have, have_last, have_argmax))
+            plan.append((info, missing, have))
     written = 0
     total_records = sum(len(entry[1]) for entry in plan)
     with _progress(progress, total_records, "caching features") as bar:
         task = bar.add_task("features", total=total_records, rate=0.0)
         start, tokens = time.perf_counter(), 0
-        for info, records, have, have_last, have_argmax in plan:
-            features, last_hidden, argmax = dict(have), dict(have_last), dict(have_argmax)
+        for info, records, have in plan:
+            features = dict(have["features"])
+            last_hidden = dict(have["last_hidden"])
+            argmax = dict(have["target_argmax"])
             order = sorted(range(len(records)), key=lambda i: len(records[i]))
             for lo in range(0, len(order), batch_size):
                 batch = [records[i] for i in order[lo : lo + batch_size]]
@@ -403,7 +402,7 @@ def cache_features(
             written += sum(
                 int(f.numel()) * 2
                 for rid in features
-                if rid not in have
+                if rid not in have["features"]
                 for f in (features[rid], last_hidden[rid])
             )
     return written

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CACHED_FIELDS = ("features", "last_hidden", "target_argmax")
+"""What a feature-cache shard file can hold per record (see ``RolloutStore.write_features``)."""
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_FORMATS = ("jsonl", "jsonl.gz", "safetensors")
@@ -743,11 +746,20 @@ class RolloutStore:
     ) -> dict[str, Tensor]:
         """``{record id: fp16 [T, F]}`` cached for token shard ``shard`` (empty if none);
         ``key="last_hidden"`` gives the cached final hidden states instead."""
+        return self.read_cached(shard, feature_config=feature_config, verify=verify)[key]
+
+    def read_cached(
+        self, shard: str, *, feature_config: Mapping[str, Any], verify: bool = True
+    ) -> dict[str, dict[str, Tensor]]:
+        """Every cached field of token shard ``shard`` from one read of its file:
+        ``{"features" | "last_hidden" | "target_argmax": {record id: tensor}}`` (empty dicts
+        for what is not cached)."""
         from safetensors.torch import load
 
+        out: dict[str, dict[str, Tensor]] = {k: {} for k in CACHED_FIELDS}
         entry = self.feature_shards(feature_config).get(shard)
         if entry is None:
-            return {}
+            return out
         path = self.directory / entry["name"]
         data = path.read_bytes()
         if verify and (
@@ -757,12 +769,13 @@ class RolloutStore:
                 f"{path} fails its sha256 check; delete {self.directory} or use another cache dir"
             )
         tensors = load(data)
-        if key not in tensors:
-            return {}
         ids = json.loads(_safetensors_metadata(data)["ids"])
         offsets = tensors["offsets"].tolist()
-        flat = tensors[key]
-        return {rid: flat[offsets[i] : offsets[i + 1]] for i, rid in enumerate(ids)}
+        for key in CACHED_FIELDS:
+            if key in tensors:
+                flat = tensors[key]
+                out[key] = {rid: flat[offsets[i] : offsets[i + 1]] for i, rid in enumerate(ids)}
+        return out
 
 
 def _flatten_rows(rows: Sequence[Tensor], name: str) -> Tensor:
