@@ -26,3 +26,29 @@ def _test_threads():
     torch.set_num_threads(TEST_THREADS)
     yield
     torch.set_num_threads(TEST_THREADS)
+
+
+def _data_helpers():  # noqa: ANN202
+    """tests/data/conftest.py as a module (its builders are plain functions, reused here)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "data" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("data_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_cli_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A tiny target + tokenizer saved as a model folder and 40 JSONL chats, for tests that run
+    the real `lightning-spec` CLI on configs written for SmolLM2."""
+    helpers = _data_helpers()
+    folder = tmp_path_factory.mktemp("tiny_cli")
+    tokenizer = helpers.make_chat_tokenizer()
+    target = helpers.make_tiny_target(tokenizer)
+    target.model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    chats = helpers.write_chats(folder / "chats.jsonl", 40)
+    return {"model": str(folder / "model"), "chats": str(chats), "vocab": str(len(tokenizer))}

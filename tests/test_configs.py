@@ -7,7 +7,6 @@ class path, argument name and type in the files is checked without the real mode
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -16,42 +15,23 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
 
-def _data_helpers():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("data_conftest", ROOT / "tests/data/conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    helpers = _data_helpers()
-    folder = tmp_path_factory.mktemp("tiny")
-    tokenizer = helpers.make_chat_tokenizer()
-    target = helpers.make_tiny_target(tokenizer)
-    target.model.save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
-    chats = helpers.write_chats(folder / "chats.jsonl", 40)
-    return {"model": str(folder / "model"), "chats": str(chats), "vocab": str(len(tokenizer))}
-
-
 def test_there_are_configs() -> None:
     names = {path.name for path in CONFIGS}
     assert {"quickstart.yaml", "sft_eagle3.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
-def test_config_instantiates(path: Path, tiny_assets: dict[str, str], tmp_path: Path) -> None:
+def test_config_instantiates(path: Path, tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
     from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
     from lightning_spec.cli import lightning_cli
 
     overrides = [
-        f"--model.init_args.target={tiny_assets['model']}",
-        f"--model.init_args.draft_vocab_size={tiny_assets['vocab']}",
+        f"--model.init_args.target={tiny_cli_assets['model']}",
+        f"--model.init_args.draft_vocab_size={tiny_cli_assets['vocab']}",
         f"--model.init_args.cache_dir={tmp_path / 'cache'}",
-        f"--data.init_args.target={tiny_assets['model']}",
-        f"--data.init_args.dataset={tiny_assets['chats']}",
+        f"--data.init_args.target={tiny_cli_assets['model']}",
+        f"--data.init_args.dataset={tiny_cli_assets['chats']}",
         f"--data.init_args.cache_dir={tmp_path / 'data'}",
         f"--trainer.default_root_dir={tmp_path / 'run'}",
         f"--trainer.logger.init_args.run_dir={tmp_path / 'run'}",
@@ -76,7 +56,7 @@ def test_bad_config_fails_clearly(tmp_path: Path) -> None:
     assert error.value.code != 0
 
 
-def test_cli_fit_runs_and_saves_its_config(tiny_assets: dict[str, str], tmp_path: Path) -> None:
+def test_cli_fit_runs_and_saves_its_config(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
     """`lightning-spec fit` end to end on the quickstart config (tiny target, 2 steps): the
     CLI must get past its own setup (it saves the resolved config into the logger's folder)."""
     from lightning_spec.cli import main
@@ -87,11 +67,11 @@ def test_cli_fit_runs_and_saves_its_config(tiny_assets: dict[str, str], tmp_path
             "fit",
             "--config",
             str(ROOT / "configs" / "quickstart.yaml"),
-            f"--model.init_args.target={tiny_assets['model']}",
-            f"--model.init_args.draft_vocab_size={tiny_assets['vocab']}",
+            f"--model.init_args.target={tiny_cli_assets['model']}",
+            f"--model.init_args.draft_vocab_size={tiny_cli_assets['vocab']}",
             f"--model.init_args.cache_dir={tmp_path / 'cache'}",
-            f"--data.init_args.target={tiny_assets['model']}",
-            f"--data.init_args.dataset={tiny_assets['chats']}",
+            f"--data.init_args.target={tiny_cli_assets['model']}",
+            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
             # The same value as the model's: Lightning refuses hparams that differ between the
             # module and the data module when it logs them.
             f"--data.init_args.cache_dir={tmp_path / 'cache'}",

@@ -272,7 +272,10 @@ def test_ranks_split_prompts_by_position(tmp_path: Path, tiny_target, chat_token
         regenerate(tiny_target, chat_tokenizer, prompts, store, rank=2, world_size=2)
 
 
-def test_cached_features_match_the_target(tmp_path: Path, tiny_target, chat_tokenizer) -> None:
+def _regenerated_store(
+    tmp_path: Path, tiny_target, chat_tokenizer, *, records_per_shard: int
+) -> RolloutStore:
+    """Six regenerated answers (8 new tokens each) in shards of ``records_per_shard``."""
     store = RolloutStore(tmp_path, CONFIG)
     regenerate(
         tiny_target,
@@ -280,9 +283,14 @@ def test_cached_features_match_the_target(tmp_path: Path, tiny_target, chat_toke
         _prompts(6),
         store,
         settings=_settings(8),
-        records_per_shard=2,
+        records_per_shard=records_per_shard,
         progress=False,
     )
+    return store
+
+
+def test_cached_features_match_the_target(tmp_path: Path, tiny_target, chat_tokenizer) -> None:
+    store = _regenerated_store(tmp_path, tiny_target, chat_tokenizer, records_per_shard=2)
     written = cache_features(tiny_target, store, cap_bytes=10**9, batch_size=4)
     config = feature_config(tiny_target)
     assert written > 0 and len(store.feature_shards(config)) == 3
@@ -303,16 +311,7 @@ def test_cached_features_match_the_target(tmp_path: Path, tiny_target, chat_toke
 
 
 def test_feature_cache_stops_at_its_cap(tmp_path: Path, tiny_target, chat_tokenizer) -> None:
-    store = RolloutStore(tmp_path, CONFIG)
-    regenerate(
-        tiny_target,
-        chat_tokenizer,
-        _prompts(6),
-        store,
-        settings=_settings(8),
-        records_per_shard=2,
-        progress=False,
-    )
+    store = _regenerated_store(tmp_path, tiny_target, chat_tokenizer, records_per_shard=2)
     config = feature_config(tiny_target)
     per_token = (tiny_target.feature_size + tiny_target.hidden_size) * 2
     cap = per_token * store.shards()[0].tokens + 1000  # about one shard
@@ -327,16 +326,7 @@ def test_feature_cache_covers_only_selected_records_and_grows(
 ) -> None:
     """A run over part of a store caches only its records; a later run selecting more adds
     theirs to the same shard files (the earlier ones are kept, not recomputed)."""
-    store = RolloutStore(tmp_path, CONFIG)
-    regenerate(
-        tiny_target,
-        chat_tokenizer,
-        _prompts(6),
-        store,
-        settings=_settings(8),
-        records_per_shard=4,
-        progress=False,
-    )
+    store = _regenerated_store(tmp_path, tiny_target, chat_tokenizer, records_per_shard=4)
     config = feature_config(tiny_target)
     records = [r for info in store.shards() for r in store.read_shard(info)]
     first = {records[0].id, records[1].id}

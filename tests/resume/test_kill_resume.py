@@ -9,7 +9,6 @@ killed with SIGKILL after its step-4 checkpoint exists; C resumes B's folder wit
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -17,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,26 +23,7 @@ MAX_STEPS = 8
 KILL_AFTER = 4
 
 
-def _data_helpers():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("data_conftest", ROOT / "tests/data/conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    helpers = _data_helpers()
-    folder = tmp_path_factory.mktemp("tiny")
-    tokenizer = helpers.make_chat_tokenizer()
-    target = helpers.make_tiny_target(tokenizer)
-    target.model.save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
-    chats = helpers.write_chats(folder / "chats.jsonl", 60)
-    return {"model": folder / "model", "chats": chats, "vocab": Path(str(len(tokenizer)))}
-
-
-def _config(tiny: dict[str, Path], run: Path, cache: Path, slow: float) -> Path:
+def _config(tiny: dict[str, str], run: Path, cache: Path, slow: float) -> Path:
     """A fit config like configs/quickstart.yaml, with a step checkpoint on every step."""
     text = f"""
 seed_everything: 0
@@ -126,16 +105,16 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 def test_killed_fit_resumes_to_the_uninterrupted_state(
-    tiny: dict[str, Path], tmp_path: Path
+    tiny_cli_assets: dict[str, str], tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
     straight = tmp_path / "straight"
-    process = _fit(_config(tiny, straight, cache, slow=0.0))
+    process = _fit(_config(tiny_cli_assets, straight, cache, slow=0.0))
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-3000:]
 
     killed = tmp_path / "killed"
-    process = _fit(_config(tiny, killed, cache, slow=0.4))
+    process = _fit(_config(tiny_cli_assets, killed, cache, slow=0.4))
     marker = killed / "checkpoints" / f"step{KILL_AFTER}.ckpt"
     deadline = time.monotonic() + 240
     try:
@@ -152,7 +131,7 @@ def test_killed_fit_resumes_to_the_uninterrupted_state(
     assert not (killed / "checkpoints" / f"step{MAX_STEPS}.ckpt").exists(), "killed too late"
     assert (killed / "checkpoints" / "last.ckpt").is_file()
 
-    process = _fit(_config(tiny, killed, cache, slow=0.0), "--ckpt_path", "last")
+    process = _fit(_config(tiny_cli_assets, killed, cache, slow=0.0), "--ckpt_path", "last")
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-3000:]
     assert (killed / "checkpoints" / f"step{MAX_STEPS}.ckpt").is_file()
