@@ -1018,10 +1018,37 @@ def _split(values: Sequence[str] | None, default: str) -> list[str]:
     return [part for part in out if part]
 
 
-def _drafter_label(spec: str) -> str:
-    if spec.startswith("bigram:"):
-        return "bigram:" + (Path(spec.split(":", 1)[1]).name or spec)
-    return spec if spec in ("random", "self") else (Path(spec).name or spec)
+def _drafter_label(spec: str, parts: int = 1) -> str:
+    """A short method label for a --drafter value: its last `parts` path components."""
+    if spec in ("random", "self"):
+        return spec
+    prefix, path = ("bigram:", spec.split(":", 1)[1]) if spec.startswith("bigram:") else ("", spec)
+    tail = Path(path).parts[-parts:]
+    return prefix + ("/".join(tail) if tail else spec)
+
+
+def drafter_labels(specs: Sequence[str]) -> list[str]:
+    """Unique labels for the --drafter values, as short as possible.
+
+    Two runs' `drafter/last` folders must not collapse into one `speculative:last` method (the
+    second would silently replace the first): colliding labels take more path components
+    (`a/drafter/last`, `b/drafter/last`). The same drafter given twice is an error.
+    """
+    if len(set(specs)) != len(specs):
+        raise ValueError("bench: the same --drafter was given twice")
+    parts = [1] * len(specs)
+    while True:
+        labels = [_drafter_label(spec, n) for spec, n in zip(specs, parts, strict=True)]
+        clashes = {label for label in labels if labels.count(label) > 1}
+        if not clashes:
+            return labels
+        grown = False
+        for index, label in enumerate(labels):
+            if label in clashes and parts[index] < len(Path(specs[index]).parts):
+                parts[index] += 1
+                grown = True
+        if not grown:  # e.g. `x` and `./x`: distinct strings, same components
+            return [f"{label}#{i}" if label in clashes else label for i, label in enumerate(labels)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1046,8 +1073,13 @@ def main(argv: list[str] | None = None) -> int:
         datasets[name] = items
     drafters = {}
     if "speculative" in methods:
-        for spec in drafter_specs:
-            drafters[_drafter_label(spec)] = resolve_drafter(
+        try:
+            labels = drafter_labels(drafter_specs)
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 2
+        for label, spec in zip(labels, drafter_specs, strict=True):
+            drafters[label] = resolve_drafter(
                 spec,
                 target,
                 draft_vocab_size=args.draft_vocab_size,

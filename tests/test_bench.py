@@ -245,6 +245,23 @@ def test_summarize_on_hand_made_prompts() -> None:
     assert "Greedy mismatches" in markdown and "near tie" in markdown
 
 
+def test_drafter_labels_stay_unique() -> None:
+    # Two runs' `drafter/last` folders are two methods, not one overwritten by the other.
+    assert bench.drafter_labels(["runs/a/drafter/last", "runs/b/drafter/last", "random"]) == [
+        "a/drafter/last",
+        "b/drafter/last",
+        "random",
+    ]
+    assert bench.drafter_labels(["runs/a/best", "runs/a/last", "bigram:sharegpt"]) == [
+        "best",
+        "last",
+        "bigram:sharegpt",
+    ]
+    assert bench.drafter_labels(["x/last", "./x/last"]) == ["x/last#0", "x/last#1"]
+    with pytest.raises(ValueError, match="twice"):
+        bench.drafter_labels(["runs/a/last", "runs/a/last"])
+
+
 def test_stratified_selection_round_robins_categories() -> None:
     class Conv:
         def __init__(self, category: str) -> None:
