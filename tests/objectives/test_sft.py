@@ -408,9 +408,21 @@ class SpawnSafeSFT(EagleSFT):
 
 
 @pytest.mark.slow
-def test_ddp_spawn_two_ranks_agree_with_one_process(target: TargetModel, tmp_path: Path) -> None:
+def test_ddp_spawn_two_ranks_agree_with_one_process(
+    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two CPU ranks (gloo): training runs, prompts are sharded, and the summed acceptance
     metrics equal one process decoding every prompt with the same drafter."""
+    # ddp_spawn pickles the module with torch's reductions, which pass one file descriptor per
+    # tensor storage it meets; after earlier tests in this module the shared target's storages
+    # are reached through more than one tensor object and the same descriptor is listed twice,
+    # which CPython's spawnv_passfds rejects ("bad value(s) in fds_to_keep"). The file_system
+    # strategy shares storages by name, not by descriptor. (`strategy="ddp"`, Lightning's
+    # default for devices > 1 from the command line, starts processes without pickling.)
+    import torch.multiprocessing as torch_mp
+
+    monkeypatch.setattr(torch_mp, "_sharing_strategy", torch_mp.get_sharing_strategy())
+    torch_mp.set_sharing_strategy("file_system")
     prompts = [[5, 9, 14, 3, 22], [40, 41, 42], [7, 8, 9, 10]]  # 2 + 1 over two ranks
     module = SpawnSafeSFT.from_objects(target, _drafter(target), ttt_steps=2, warmup_steps=1)
     evaluator = AcceptanceEval(num_prompts=3, max_new_tokens=6, tree="chain:2")
