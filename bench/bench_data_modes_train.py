@@ -47,9 +47,8 @@ def mode_config(
     trainer["max_time"] = None  # the budget below covers data preparation too
     trainer["max_steps"] = 100_000  # the budget stops the run; the schedule is fitted to it
     trainer["logger"]["init_args"].update(experiment_name="data_modes", run_dir=run_dir)
-    callbacks = [
-        c for c in trainer.get("callbacks", []) if not c["class_path"].endswith("RichProgressBar")
-    ]
+    replaced = ("RichProgressBar", "RunBudget")  # no bar in a log file; one budget, ours
+    callbacks = [c for c in trainer.get("callbacks", []) if not c["class_path"].endswith(replaced)]
     callbacks.append(
         {
             "class_path": "lightning_spec.callbacks.budget.RunBudget",

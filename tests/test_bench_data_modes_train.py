@@ -36,7 +36,8 @@ def test_mode_config_budgets_the_whole_run(script, tmp_path: Path) -> None:
     assert config["data"]["init_args"]["mode"] == "regenerated"
     assert config["data"]["init_args"]["max_conversations"] == 70
     assert trainer["default_root_dir"] == str(tmp_path / "regenerated")
-    assert base["trainer"]["max_time"] is not None, "the base config is not modified"
+    before = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    assert base == before, "the base config is not modified"
 
 
 def test_mode_config_instantiates(script, tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
