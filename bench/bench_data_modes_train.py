@@ -106,14 +106,12 @@ def training_state(run_dir: Path) -> dict[str, Any]:
 
 def prep_seconds(run_dir: Path) -> float | None:
     """`budget/prep_seconds` from the run's MLflow mirror (what RunBudget logged)."""
-    mirror = run_dir / "mlflow_mirror.jsonl"
-    if not mirror.is_file():
+    from lightning_spec.tracking import MIRROR_NAME, read_mirror
+
+    if not (run_dir / MIRROR_NAME).is_file():
         return None
-    for line in mirror.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    records, _ = read_mirror(run_dir)
+    for record in records:
         metrics = record.get("metrics") or {}
         if "budget/prep_seconds" in metrics:
             return round(float(metrics["budget/prep_seconds"]), 1)

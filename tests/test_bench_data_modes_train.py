@@ -77,3 +77,15 @@ def test_bad_conversation_counts(script) -> None:
     assert script.parse_conversations(["dataset=12"])["dataset"] == 12
     with pytest.raises(SystemExit, match="mode=N"):
         script.parse_conversations(["online=3"])
+
+
+def test_prep_seconds_from_the_mirror(script, tmp_path: Path) -> None:
+    import json
+
+    lines = [
+        {"seq": 0, "type": "start", "time": 1.0},
+        {"seq": 1, "type": "metrics", "step": 0, "metrics": {"budget/prep_seconds": 215.24}},
+    ]
+    (tmp_path / "mlflow_mirror.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert script.prep_seconds(tmp_path) == 215.2
+    assert script.prep_seconds(tmp_path / "missing") is None
