@@ -677,28 +677,13 @@ def _result_entry(result: MethodResult, detail: dict[str, Any] | None, greedy: b
 
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int) -> Iterator[Any]:
-    """A rich progress bar over prompts (stderr), or a no-op."""
+    """A progress bar over prompts (stderr; plain lines when stderr is not a terminal)."""
     if not enabled:
         yield lambda description: None
         return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from lightning_spec.progress import progress_bar
 
-    columns = (
-        TextColumn("[bold]bench[/] {task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=Console(stderr=True)) as bar:
+    with progress_bar("bench", unit=None) as bar:
         task = bar.add_task("prompts", total=total)
 
         def advance(description: str) -> None:

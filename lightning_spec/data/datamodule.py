@@ -664,7 +664,7 @@ class RolloutDataModule(pl.LightningDataModule):
     def _render_dataset(self) -> None:
         """Render the dataset's conversations into the ``dataset`` store (resumable)."""
         from lightning_spec.data.chat import render_conversation
-        from lightning_spec.data.regenerate import _progress
+        from lightning_spec.progress import progress_bar
 
         store = self.store("dataset")
         if self._is_complete(store):
@@ -674,8 +674,9 @@ class RolloutDataModule(pl.LightningDataModule):
         buffer: list[RolloutRecord] = []
         failed = tokens = 0
         start = time.perf_counter()
-        with _progress(self.progress and bool(todo), len(todo), "rendering") as bar:
-            task = bar.add_task("render", total=len(todo), rate=0.0)
+        enabled = self.progress and bool(todo)
+        with progress_bar("rendering", enabled=enabled, unit="tok/s") as bar:
+            task = bar.add_task("conversations", total=len(todo), rate=0.0)
             for order, conversation in todo:
                 try:
                     rendered = render_conversation(

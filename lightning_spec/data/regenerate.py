@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lightning_spec.data.chat import render_prompt
 from lightning_spec.data.rollouts import CACHED_FIELDS, RolloutRecord, RolloutStore, ShardInfo
+from lightning_spec.progress import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -161,30 +162,6 @@ def generate_batch(
     return results
 
 
-def _progress(enabled: bool, total: int, description: str = "regenerating") -> Any:
-    """A rich progress bar with prompts done and tokens/s (a no-op when disabled)."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn(f"[bold]{description}[/bold]"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[rate]:>8.1f} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        disable=not enabled,
-    )
-
-
 def regenerate(
     target: Any,
     tokenizer: Any,
@@ -251,8 +228,8 @@ def regenerate(
             on_shard(info)
 
     start = time.perf_counter()
-    with _progress(progress, len(pending)) as bar:
-        task = bar.add_task("regenerate", total=len(pending), rate=0.0)
+    with progress_bar("regenerating", enabled=progress, unit="tok/s") as bar:
+        task = bar.add_task("prompts", total=len(pending), rate=0.0)
         for lo in range(0, len(pending), batch_size):
             batch = pending[lo : lo + batch_size]
             budget = settings.max_new_tokens
@@ -362,8 +339,8 @@ def cache_features(
             plan.append((info, missing, have))
     written = 0
     total_records = sum(len(entry[1]) for entry in plan)
-    with _progress(progress, total_records, "caching features") as bar:
-        task = bar.add_task("features", total=total_records, rate=0.0)
+    with progress_bar("caching features", enabled=progress, unit="tok/s") as bar:
+        task = bar.add_task("conversations", total=total_records, rate=0.0)
         start, tokens = time.perf_counter(), 0
         for info, records, have in plan:
             features = dict(have["features"])
