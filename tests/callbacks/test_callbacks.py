@@ -32,11 +32,18 @@ def target() -> TargetModel:
 class Scripted(LightningModule):
     """A module with a target and drafter whose validation logs a scripted `val/tau`."""
 
-    def __init__(self, target: TargetModel, drafter: nn.Module, taus: list[float] | None) -> None:
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: nn.Module,
+        taus: list[float] | None,
+        losses: list[float] | None = None,
+    ) -> None:
         super().__init__()
         self.target = target
         self.drafter = drafter
         self.taus = taus
+        self.losses = losses
         self.weight = nn.Parameter(torch.zeros(1))
         self.validations = 0
 
@@ -49,6 +56,8 @@ class Scripted(LightningModule):
     def on_validation_epoch_end(self) -> None:
         if self.taus is not None and not self.trainer.sanity_checking:
             self.log("val/tau", self.taus[self.validations])
+            if self.losses is not None:
+                self.log("val/loss", self.losses[self.validations])
             self.validations += 1
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -166,11 +175,34 @@ def test_best_and_last_folders_follow_the_metric(target: TargetModel, tmp_path: 
     last = json.loads((tmp_path / "drafter" / "last" / STATE_FILE).read_text())
     assert (best["value"], best["global_step"]) == (2.5, 2)
     assert (last["value"], last["global_step"], last["best_value"]) == (2.0, 3, 2.5)
-    assert checkpoint.state_dict() == {"best_value": 2.5, "best_step": 2}
+    assert checkpoint.state_dict() == {"best_value": 2.5, "best_step": 2, "best_tie": None}
     assert not list((tmp_path / "drafter").glob(".tmp-*"))
     torch.testing.assert_close(
         load_drafter(tmp_path / "drafter" / "last").fc.weight, drafter.fc.weight
     )
+
+
+def test_a_tie_goes_to_the_lower_loss(target: TargetModel, tmp_path: Path) -> None:
+    # Tau over a few prompts ties: 1.75 at steps 2, 3 and 4; the loss decides (lower at step 3;
+    # at step 4 it is higher, so step 3 stays best). The tie-breaker is saved for a resume.
+    checkpoint = DrafterCheckpoint(dirpath=str(tmp_path / "drafter"))
+    module = Scripted(
+        target,
+        Eagle3Drafter.from_target(target),
+        taus=[1.5, 1.75, 1.75, 1.75],
+        losses=[9.0, 8.5, 8.25, 8.375],  # exact in float32, as logged
+    )
+    trainer = _trainer(tmp_path, [checkpoint], epochs=4)
+    trainer.fit(module)
+    best = json.loads((tmp_path / "drafter" / "best" / STATE_FILE).read_text())
+    assert (best["value"], best["global_step"], best["best_tie"]) == (1.75, 3, 8.25)
+    assert checkpoint.state_dict() == {"best_value": 1.75, "best_step": 3, "best_tie": 8.25}
+    restored = DrafterCheckpoint(tie_breaker=None)
+    restored.load_state_dict(checkpoint.state_dict())
+    assert restored.best_tie == 8.25
+    assert not restored._improves(1.75, 7.0)  # no tie-breaker: the earlier drafter stays
+    with pytest.raises(ValueError, match="tie_mode"):
+        DrafterCheckpoint(tie_mode="lowest")
 
 
 def test_min_mode_missing_metric_and_interrupted_swap(target: TargetModel, tmp_path: Path) -> None:
