@@ -677,19 +677,13 @@ def _result_entry(result: MethodResult, detail: dict[str, Any] | None, greedy: b
 
 @contextlib.contextmanager
 def _progress(enabled: bool, total: int) -> Iterator[Any]:
-    """A progress bar over prompts (stderr; plain lines when stderr is not a terminal)."""
-    if not enabled:
-        yield lambda description: None
-        return
+    """``advance(description)`` over a bar of prompts (plain lines off a terminal; a no-op
+    when disabled)."""
     from lightning_spec.progress import progress_bar
 
-    with progress_bar("bench", unit=None) as bar:
+    with progress_bar("bench", enabled=enabled) as bar:
         task = bar.add_task("prompts", total=total)
-
-        def advance(description: str) -> None:
-            bar.update(task, advance=1, description=description)
-
-        yield advance
+        yield lambda description: bar.update(task, advance=1, description=description)
 
 
 # ---------------------------------------------------------------------------------- summary
