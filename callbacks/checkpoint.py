@@ -11,8 +11,9 @@ export, benchmark and serve (SGLang/vLLM read EAGLE-3 folders) is the drafter fo
   steps 2,500 and 3,000 with a lower loss at 3,000), and a tie kept the older drafter.
 
 Each folder also holds `training_state.json` (step, epoch, the monitored value, the best value).
-A folder is written under a temporary name and renamed into place, so a job killed mid-write
-leaves the previous folder intact (a stale `.tmp-*` folder is removed on the next write).
+A folder is written under a temporary name and renamed into place (`lightning_spec.io.
+atomic_folder`), so a job killed mid-write leaves the previous folder intact; a kill between the
+swap's two renames is undone at the next setup or write, and stale `.tmp-*` folders removed.
 Only global rank 0 writes.
 """
 
@@ -21,14 +22,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
+
+from lightning_spec.io import atomic_folder, recover_folder
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class DrafterCheckpoint(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if trainer.is_global_zero and self.root(trainer).is_dir():
             for name in ("best", "last"):
-                _recover(self.root(trainer), name)
+                recover_folder(self.root(trainer) / name)
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -142,14 +143,6 @@ class DrafterCheckpoint(Callback):
     def _write(
         self, trainer: Trainer, pl_module: LightningModule, name: str, value: float | None
     ) -> None:
-        root = self.root(trainer)
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / name
-        _recover(root, name)
-        for stale in root.glob(f".tmp-{name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-        pl_module.drafter.save_pretrained(tmp)
         state = {
             "global_step": int(trainer.global_step),
             "epoch": int(trainer.current_epoch),
@@ -161,14 +154,9 @@ class DrafterCheckpoint(Callback):
             "best_tie": self.best_tie,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-        if final.exists():
-            old = root / f".tmp-{name}-old-{uuid.uuid4().hex[:8]}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
+        with atomic_folder(self.root(trainer) / name) as tmp:
+            pl_module.drafter.save_pretrained(tmp)
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         if name == "last":
             self._last_step_written = int(trainer.global_step)
 
@@ -194,10 +182,3 @@ def _finite(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
-
-
-def _recover(root: Path, name: str) -> None:
-    """A kill between the two renames of `_write` leaves only `.tmp-<name>-old-*`: put it back."""
-    previous = sorted(root.glob(f".tmp-{name}-old-*"))
-    if previous and not (root / name).exists():
-        previous[-1].rename(root / name)
