@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
-import json
 import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from lightning_spec.io import atomic_path, atomic_write_json, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -53,18 +53,8 @@ class ExportError(RuntimeError):
         self.exit_code = exit_code
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-    tmp.replace(path)
+    atomic_write_json(path, data, sort_keys=False, default=str)
 
 
 def _copy_folder(source: Path, destination: Path) -> list[Path]:
@@ -74,9 +64,8 @@ def _copy_folder(source: Path, destination: Path) -> list[Path]:
     for path in sorted(source.iterdir()):
         if not path.is_file() or path.name.startswith("."):
             continue
-        tmp = destination / f".{path.name}.tmp"
-        shutil.copy2(path, tmp)
-        tmp.replace(destination / path.name)
+        with atomic_path(destination / path.name) as tmp:
+            shutil.copy2(path, tmp)
         copied.append(destination / path.name)
     return copied
 
@@ -88,7 +77,7 @@ def _file_records(root: Path) -> list[dict[str, Any]]:
             records.append(
                 {
                     "path": path.relative_to(root).as_posix(),
-                    "sha256": _sha256(path),
+                    "sha256": sha256_file(path),
                     "bytes": path.stat().st_size,
                 }
             )

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_spec.io import atomic_path
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter, KVState
 
 log = logging.getLogger(__name__)
@@ -215,9 +216,8 @@ def _export(
         registry_log.setLevel(previous_level)
     if program is None:  # pragma: no cover - the dynamo exporter always returns a program
         raise RuntimeError("torch.onnx.export returned no program")
-    tmp = path.with_name(f".{path.name}.tmp")
-    program.save(str(tmp), external_data=False)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        program.save(str(tmp), external_data=False)
 
 
 def _rename_dims(path: Path, names: dict[tuple[str, int], str]) -> None:
@@ -231,9 +231,8 @@ def _rename_dims(path: Path, names: dict[tuple[str, int], str]) -> None:
                 dim = value.type.tensor_type.shape.dim[axis]
                 dim.ClearField("dim_value")
                 dim.dim_param = name
-    tmp = path.with_name(f".{path.name}.tmp")
-    onnx.save(model, str(tmp))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        onnx.save(model, str(tmp))
 
 
 def export_step_graph(

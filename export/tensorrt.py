@@ -26,7 +26,6 @@ compares it with onnxruntime on random inputs inside the profile.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -35,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from lightning_spec.io import atomic_write_bytes, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -209,24 +210,6 @@ def apply_precision(config: Any, trt: Any, precision: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------ building
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 @dataclass
 class EngineRecord:
     """What `engine_manifest.json` says about one engine."""
@@ -304,9 +287,9 @@ def build_engine(
     seconds = time.perf_counter() - start
     if serialized is None:
         raise TensorRTBuildError(f"build_serialized_network failed for {onnx_path}")
-    _atomic_write(engine_path, bytes(serialized))
+    atomic_write_bytes(engine_path, bytes(serialized))
     if cache_path is not None:
-        _atomic_write(cache_path, bytes(config.get_timing_cache().serialize()))
+        atomic_write_bytes(cache_path, bytes(config.get_timing_cache().serialize()))
     return EngineRecord(
         graph=graph_name or onnx_path.stem,
         onnx_file=onnx_path.name,
@@ -317,7 +300,7 @@ def build_engine(
             name: {"min": list(low), "opt": list(opt), "max": list(high)}
             for name, (low, opt, high) in profile.items()
         },
-        sha256=_sha256(engine_path),
+        sha256=sha256_file(engine_path),
         bytes=engine_path.stat().st_size,
         build_seconds=round(seconds, 3),
     )
@@ -370,7 +353,7 @@ def build_engines(
         "timing_cache": os.path.relpath(cache_path, engine_dir),
         "engines": {record.graph: asdict(record) for record in records},
     }
-    _atomic_write(engine_dir / ENGINE_MANIFEST, json.dumps(engine_manifest, indent=2).encode())
+    atomic_write_bytes(engine_dir / ENGINE_MANIFEST, json.dumps(engine_manifest, indent=2).encode())
     return engine_manifest
 
 

@@ -193,13 +193,13 @@ def export_verify_graph(
     import onnx
 
     from lightning_spec.export.onnx import GraphSpec, graph_io
+    from lightning_spec.io import atomic_path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     model = build_verify_graph(max_nodes=max_nodes, opset=opset)
-    tmp = path.with_name(f".{path.name}.tmp")
-    onnx.save(model, str(tmp))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        onnx.save(model, str(tmp))
     inputs, outputs = graph_io(model)
     return GraphSpec(
         name="tree_verify",
