@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_spec.data.assets import atomic_write, atomic_write_json, sha256_file
+from lightning_spec.io import atomic_write, atomic_write_json, file_lock, remove_stale, sha256_file
 
 if TYPE_CHECKING:
     from lightning_spec.decoding.engine import Generation, StepRecord
@@ -489,20 +489,9 @@ class RolloutStore:
         self._check_config(manifest)
         return manifest
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """Exclusive lock for read-modify-write of the manifest (fcntl; best effort elsewhere)."""
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - non-POSIX
-            yield
-            return
-        with open(self.directory / ".lock", "a+") as fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        """Exclusive inter-process lock for read-modify-write of the manifest (``.lock``)."""
+        return file_lock(self.directory / ".lock")
 
     def _update(self, change: Any) -> dict[str, Any]:
         """Apply ``change(manifest)`` under the lock and rewrite the manifest atomically."""
@@ -523,11 +512,7 @@ class RolloutStore:
 
     def _clean_stale(self, rank: int) -> None:
         """Remove temp files a killed writer of ``rank`` left (never another rank's)."""
-        marker = f"-r{rank:03d}-"
-        for entry in self.directory.iterdir():
-            if entry.name.startswith(".") and ".tmp-" in entry.name and marker in entry.name:
-                with contextlib.suppress(FileNotFoundError):
-                    entry.unlink()
+        remove_stale(self.directory, contains=f"-r{rank:03d}-")
 
     def write_shard(self, records: Sequence[RolloutRecord], *, rank: int = 0) -> ShardInfo:
         """Write ``records`` as the next shard of ``rank`` and list it in the manifest.
