@@ -102,19 +102,19 @@ class Drafter(nn.Module):
 
     # --- persistence ---------------------------------------------------------------------
     def save_pretrained(self, folder: str | Path) -> Path:
-        """config.json + model.safetensors, written atomically (temp names, then rename)."""
+        """config.json + model.safetensors, each written atomically (`lightning_spec.io`); the
+        weights go first, so a config never names weights that are not complete."""
         from safetensors.torch import save_file
+
+        from lightning_spec.io import atomic_path, atomic_write_text
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         config = {"drafter_type": self.drafter_type, **self.export_config()}
-        tmp_config = folder / f".{CONFIG_NAME}.tmp"
-        tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True))
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.export_state_dict().items()}
-        tmp_weights = folder / f".{WEIGHTS_NAME}.tmp"
-        save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
-        tmp_weights.replace(folder / WEIGHTS_NAME)
-        tmp_config.replace(folder / CONFIG_NAME)
+        with atomic_path(folder / WEIGHTS_NAME) as tmp_weights:
+            save_file(tensors, str(tmp_weights), metadata={"format": "pt"})
+        atomic_write_text(folder / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True))
         return folder
 
     def export_config(self) -> dict[str, Any]:
@@ -141,11 +141,14 @@ def register_drafter(cls: type[Drafter]) -> type[Drafter]:
 
 
 def load_drafter(folder: str | Path, *, device: str | torch.device = "cpu") -> Drafter:
-    """Load any drafter folder written by `save_pretrained`."""
-    from safetensors.torch import load_file
+    """Load any drafter folder written by `save_pretrained`.
 
-    # Import the implementations so they register themselves.
-    from lightning_spec.models.drafters import bigram, eagle3, standalone  # noqa: F401
+    Looks the folder's `drafter_type` up in `DRAFTER_TYPES`. This module imports none of the
+    implementations (they import it); the package's `__init__` imports the built-in ones, and
+    Python runs it before any submodule, so they are registered whichever way this function
+    was imported.
+    """
+    from safetensors.torch import load_file
 
     folder = Path(folder)
     config_path = folder / CONFIG_NAME
