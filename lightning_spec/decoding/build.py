@@ -25,16 +25,18 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lightning_spec.decoding.tree import DraftTree
+from lightning_spec.decoding.tree import DraftTree, TreeBatch
 from lightning_spec.decoding.verify import draw_uniforms, inverse_cdf_sample
 
 __all__ = [
     "STATIC_TREES",
+    "BatchProposer",
     "ChainPolicy",
     "DynamicTreePolicy",
     "Proposer",
     "StaticTreePolicy",
     "TreePolicy",
+    "as_batch_proposer",
     "parse_tree_spec",
     "select_best",
 ]
@@ -42,8 +44,8 @@ __all__ = [
 
 @runtime_checkable
 class Proposer(Protocol):
-    """The drafter as a tree policy sees it. Log-probs are over the TARGET vocabulary (tokens a
-    reduced draft vocabulary cannot produce carry -inf) and already temperature-scaled."""
+    """One tree's drafter as a policy sees it (B = 1). Log-probs are over the TARGET vocabulary
+    (tokens a reduced draft vocabulary cannot produce carry -inf), already temperature-scaled."""
 
     def root(self) -> Tensor:
         """[V] log-probs of the first draft token given the committed context."""
@@ -55,19 +57,93 @@ class Proposer(Protocol):
 
 
 @runtime_checkable
+class BatchProposer(Protocol):
+    """B trees' drafter (`lightning_spec.models.drafters.proposer.DrafterProposer` is one)."""
+
+    batch_size: int
+
+    def root(self) -> Tensor:
+        """[B, V] log-probs of the first draft token of each tree."""
+        ...
+
+    def expand(self, trees: TreeBatch, nodes: Tensor) -> Tensor:
+        """[B, k, V] log-probs of the children of `nodes` [B, k] (already in `trees`)."""
+        ...
+
+
+class _SingleTree:
+    """A one-tree `Proposer` seen as a `BatchProposer` of batch 1."""
+
+    batch_size = 1
+
+    def __init__(self, proposer: Proposer) -> None:
+        self.proposer = proposer
+
+    def root(self) -> Tensor:
+        return self.proposer.root().reshape(1, -1)
+
+    def expand(self, trees: TreeBatch, nodes: Tensor) -> Tensor:
+        return self.proposer.expand(trees.tree(0), nodes[0]).unsqueeze(0)
+
+
+def as_batch_proposer(proposer: Proposer | BatchProposer) -> BatchProposer:
+    """Batched proposers pass through; a one-tree proposer becomes a batch of 1."""
+    return proposer if hasattr(proposer, "batch_size") else _SingleTree(proposer)  # type: ignore[return-value]
+
+
+@runtime_checkable
 class TreePolicy(Protocol):
-    """Builds one draft tree per verification step."""
+    """Builds the draft trees of verification steps: B roots at once, or one (B = 1)."""
+
+    def build_batch(
+        self,
+        proposer: BatchProposer,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        keep_draft_probs: bool = False,
+    ) -> list[DraftTree]:
+        """Query `proposer` once per level for all B trees and return the B trees."""
+        ...
 
     def build(
         self,
-        proposer: Proposer,
+        proposer: Proposer | BatchProposer,
         *,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         keep_draft_probs: bool = False,
     ) -> DraftTree:
-        """Query `proposer` and return the draft tree (see each policy for its shape)."""
+        """The B = 1 case of `build_batch`."""
         ...
+
+    def needs_draft_probs(self, temperature: float) -> bool:
+        """Whether lossless verification at `temperature` reads the q rows of the tree."""
+        ...
+
+
+class _BatchPolicy:
+    """`build` as the B = 1 case of `build_batch`, shared by every policy."""
+
+    def build(
+        self,
+        proposer: Proposer | BatchProposer,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        keep_draft_probs: bool = False,
+    ) -> DraftTree:
+        batch = as_batch_proposer(proposer)
+        if batch.batch_size != 1:
+            raise ValueError(f"build() drafts one tree; the proposer holds {batch.batch_size}")
+        return self.build_batch(  # type: ignore[attr-defined]
+            batch, temperature=temperature, generator=generator, keep_draft_probs=keep_draft_probs
+        )[0]
+
+    def needs_draft_probs(self, temperature: float) -> bool:
+        """Deterministic top-k children: the EAGLE rule never reads q rows."""
+        del temperature
+        return False
 
 
 def _log_probs(raw: Tensor) -> Tensor:
@@ -88,9 +164,14 @@ def _make_tree(
     return tree
 
 
+def _rows(values: Tensor, batch: int) -> Tensor:
+    """A per-level index vector [n] repeated for B trees: [B, n]."""
+    return values.unsqueeze(0).expand(batch, -1)
+
+
 # ----------------------------------------------------------------------------------------- chain
 @dataclass(frozen=True)
-class ChainPolicy:
+class ChainPolicy(_BatchPolicy):
     """A chain of `k` draft tokens: greedy at T = 0, sampled from q (i.i.d. children) at T > 0."""
 
     k: int
@@ -107,55 +188,71 @@ class ChainPolicy:
     def max_depth(self) -> int:
         return self.k
 
-    def build(
+    def needs_draft_probs(self, temperature: float) -> bool:
+        """Sampled chains are verified with the SpecInfer rule, which reads q."""
+        return temperature > 0.0
+
+    def build_batch(
         self,
-        proposer: Proposer,
+        proposer: BatchProposer,
         *,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         keep_draft_probs: bool = False,
-    ) -> DraftTree:
-        """One `expand` call per token after the first (k - 1 in all)."""
+    ) -> list[DraftTree]:
+        """One `expand` call per token after the first (k - 1 in all), for all B chains."""
         sampling = temperature > 0.0
-        log_q = _log_probs(proposer.root().reshape(-1))
-        device = log_q.device
+        log_q = _log_probs(proposer.root())  # [B, V]
+        batch, device = log_q.shape[0], log_q.device
         tokens: list[Tensor] = []
         logprobs: list[Tensor] = []
         rows: list[Tensor] = [log_q.exp()] if keep_draft_probs else []
         # the generator may live on another device than the drafter: draw on its own device
-        uniforms = draw_uniforms(self.k, generator) if sampling else []
+        uniforms = draw_uniforms(batch * self.k, generator) if sampling else []
+        arange = torch.arange(self.k + 1, device=device)
         for step in range(self.k):
             if sampling:
-                token = torch.tensor(inverse_cdf_sample(log_q.exp(), uniforms[step]), device=device)
+                probs = log_q.exp()
+                token = torch.tensor(
+                    [
+                        inverse_cdf_sample(probs[b], uniforms[b * self.k + step])
+                        for b in range(batch)
+                    ],
+                    device=device,
+                )
             else:
-                token = log_q.argmax()
+                token = log_q.argmax(dim=-1)
             tokens.append(token)
-            logprobs.append(log_q[token])
+            logprobs.append(log_q.gather(1, token.unsqueeze(1)).squeeze(1))
             if step == self.k - 1:
                 break
             n = step + 1
-            tree = _make_tree(
-                torch.stack(tokens),
-                torch.arange(-1, n - 1, device=device),
-                torch.stack(logprobs),
-                torch.arange(1, n + 1, device=device),
-                iid_children=sampling,
+            trees = TreeBatch(
+                torch.stack(tokens, dim=1),
+                _rows(arange[:n] - 1, batch),
+                torch.stack(logprobs, dim=1),
+                _rows(arange[1 : n + 1], batch),
             )
-            log_q = _log_probs(proposer.expand(tree, torch.tensor([step], device=device))[0])
+            nodes = torch.full((batch, 1), step, dtype=torch.long, device=device)
+            log_q = _log_probs(proposer.expand(trees, nodes)[:, 0])
             if keep_draft_probs:
                 rows.append(log_q.exp())
         draft_probs = None
         if keep_draft_probs:
             rows.append(torch.zeros_like(rows[0]))  # the last node is never expanded
-            draft_probs = torch.stack(rows)
-        return _make_tree(
-            torch.stack(tokens),
-            torch.arange(-1, self.k - 1, device=device),
-            torch.stack(logprobs),
-            torch.arange(1, self.k + 1, device=device),
-            draft_probs=draft_probs,
-            iid_children=sampling,
-        )
+            draft_probs = torch.stack(rows, dim=1)  # [B, k + 1, V]
+        token_rows, logprob_rows = torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+        return [
+            _make_tree(
+                token_rows[b],
+                arange[: self.k] - 1,
+                logprob_rows[b],
+                arange[1 : self.k + 1],
+                draft_probs=None if draft_probs is None else draft_probs[b],
+                iid_children=sampling,
+            )
+            for b in range(batch)
+        ]
 
 
 # ---------------------------------------------------------------------------------------- static
@@ -218,7 +315,7 @@ STATIC_TREES: dict[str, tuple[tuple[int, ...], ...]] = {
 """Built-in static trees (our own designs), named for ``static:<name>`` specs."""
 
 
-class StaticTreePolicy:
+class StaticTreePolicy(_BatchPolicy):
     """A fixed tree of child ranks, e.g. ``[(0,), (1,), (0, 0)]``: rank r is the r-th most likely
     child of its parent under q. Every prefix of a path must be present. Nodes are ordered by
     depth, then lexicographically by ranks (a topological order); children are deterministic
@@ -260,67 +357,77 @@ class StaticTreePolicy:
     def max_depth(self) -> int:
         return self.depths[-1]
 
-    def build(
+    def build_batch(
         self,
-        proposer: Proposer,
+        proposer: BatchProposer,
         *,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         keep_draft_probs: bool = False,
-    ) -> DraftTree:
+    ) -> list[DraftTree]:
         """One `expand` call per level that has children, with exactly the nodes that do.
 
         `temperature` and `generator` are unused: children are top-k at every temperature.
         """
         del temperature, generator
         n = len(self.paths)
-        root = _log_probs(proposer.root().reshape(-1))
-        device, vocab = root.device, root.shape[-1]
+        root = _log_probs(proposer.root())  # [B, V]
+        batch, device, vocab = root.shape[0], root.device, root.shape[-1]
         if max(self.ranks) >= vocab:
             raise ValueError(f"static tree rank {max(self.ranks)} needs a vocabulary > {vocab}")
-        tokens = torch.zeros(n, dtype=torch.long, device=device)
-        logprobs = torch.zeros(n, device=device)
+        tokens = torch.zeros(batch, n, dtype=torch.long, device=device)
+        logprobs = torch.zeros(batch, n, device=device)
         parents = torch.tensor(self.parents, dtype=torch.long, device=device)
         depth = torch.tensor(self.depths, dtype=torch.long, device=device)
-        draft_probs = torch.zeros(n + 1, vocab, device=device) if keep_draft_probs else None
+        draft_probs = torch.zeros(batch, n + 1, vocab, device=device) if keep_draft_probs else None
         level_start = 0
         # the log-prob rows of the expanded nodes of the previous level, keyed by parent index
         expanded_parents = [-1]
-        expanded_rows = root.unsqueeze(0)
+        expanded_rows = root.unsqueeze(1)  # [B, e, V]
         for level in range(1, self.max_depth + 1):
             level_end = level_start
             while level_end < n and self.depths[level_end] == level:
                 level_end += 1
             members = range(level_start, level_end)
             width = max(self.ranks[i] for i in members) + 1
-            top_logprobs, top_tokens = expanded_rows.topk(width, dim=-1)  # [k, width]
+            top_logprobs, top_tokens = expanded_rows.topk(width, dim=-1)  # [B, e, width]
             slot = {parent: row for row, parent in enumerate(expanded_parents)}
             rows = torch.tensor([slot[self.parents[i]] for i in members], device=device)
             ranks = torch.tensor([self.ranks[i] for i in members], device=device)
-            tokens[level_start:level_end] = top_tokens[rows, ranks]
-            logprobs[level_start:level_end] = top_logprobs[rows, ranks]
+            tokens[:, level_start:level_end] = top_tokens[:, rows, ranks]
+            logprobs[:, level_start:level_end] = top_logprobs[:, rows, ranks]
             if draft_probs is not None:
-                draft_probs[torch.tensor(expanded_parents, device=device) + 1] = expanded_rows.exp()
+                index = torch.tensor(expanded_parents, device=device) + 1
+                draft_probs[:, index] = expanded_rows.exp()
             # nodes of this level that have children are expanded next, in one call
             parents_next = sorted({self.parents[i] for i in range(level_end, n)} & set(members))
             if not parents_next:
                 break
-            partial = _make_tree(
-                tokens[:level_end].clone(),
-                parents[:level_end],
-                logprobs[:level_end].clone(),
-                depth[:level_end],
+            partial = TreeBatch(
+                tokens[:, :level_end].clone(),
+                _rows(parents[:level_end], batch),
+                logprobs[:, :level_end].clone(),
+                _rows(depth[:level_end], batch),
             )
-            nodes = torch.tensor(parents_next, dtype=torch.long, device=device)
+            nodes = _rows(torch.tensor(parents_next, dtype=torch.long, device=device), batch)
             expanded_rows = _log_probs(proposer.expand(partial, nodes))
             expanded_parents = parents_next
             level_start = level_end
-        return _make_tree(tokens, parents, logprobs, depth, draft_probs=draft_probs)
+        return [
+            _make_tree(
+                tokens[b],
+                parents,
+                logprobs[b],
+                depth,
+                draft_probs=None if draft_probs is None else draft_probs[b],
+            )
+            for b in range(batch)
+        ]
 
 
 # --------------------------------------------------------------------------------------- dynamic
 @dataclass(frozen=True)
-class DynamicTreePolicy:
+class DynamicTreePolicy(_BatchPolicy):
     """EAGLE-2 dynamic tree: best-first expansion by cumulative draft log-prob, global rerank.
 
     `depth` counts draft levels (1 = only children of the root); `total_tokens` counts the root
@@ -348,94 +455,108 @@ class DynamicTreePolicy:
     def max_depth(self) -> int:
         return self.depth
 
-    def build(
+    def build_batch(
         self,
-        proposer: Proposer,
+        proposer: BatchProposer,
         *,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         keep_draft_probs: bool = False,
-    ) -> DraftTree:
-        """Grow the candidate tree level by level, then keep the best nodes (re-indexed).
+    ) -> list[DraftTree]:
+        """Grow the candidate trees level by level, then keep the best nodes (re-indexed).
 
-        Each `expand` call receives the tree of all candidates so far and the current frontier
+        Each `expand` call receives the trees of all candidates so far and the current frontier
         (the ``top_k`` best nodes of the newest level), so only frontier nodes are ever fed to the
-        drafter. The returned tree is a re-indexed subset of those candidates; `build_candidates`
+        drafter. Each returned tree is a re-indexed subset of its candidates; `build_candidates`
         exposes the candidates and the mapping. `temperature` and `generator` are unused.
         """
-        tree, _, _ = self.build_candidates(proposer, keep_draft_probs=keep_draft_probs)
-        return tree
+        del temperature, generator
+        trees, _, _ = self.build_candidates_batch(proposer, keep_draft_probs=keep_draft_probs)
+        return trees
 
     def build_candidates(
-        self, proposer: Proposer, *, keep_draft_probs: bool = False
+        self, proposer: Proposer | BatchProposer, *, keep_draft_probs: bool = False
     ) -> tuple[DraftTree, DraftTree, Tensor]:
-        """(final tree, candidate tree, kept): ``final`` is ``candidates.select(kept)`` plus, when
-        asked, its q rows. Candidate node j's score is the sum of ``candidates.logprobs`` along its
-        path; the candidate tree carries no draft_probs."""
-        root = _log_probs(proposer.root().reshape(-1))
-        device, vocab = root.device, root.shape[-1]
+        """(final tree, candidate tree, kept) of one tree: ``final`` is
+        ``candidates.select(kept)`` plus, when asked, its q rows. Candidate node j's score is
+        the sum of ``candidates.logprobs`` along its path; candidates carry no draft_probs."""
+        trees, candidates, kept = self.build_candidates_batch(
+            as_batch_proposer(proposer), keep_draft_probs=keep_draft_probs
+        )
+        return trees[0], candidates.tree(0), kept[0]
+
+    def build_candidates_batch(
+        self, proposer: BatchProposer, *, keep_draft_probs: bool = False
+    ) -> tuple[list[DraftTree], TreeBatch, Tensor]:
+        """`build_candidates` for B trees: (final trees, candidates [B, C], kept [B, N])."""
+        root = _log_probs(proposer.root())  # [B, V]
+        batch, device, vocab = root.shape[0], root.device, root.shape[-1]
         k = min(self.top_k, vocab)
-        scores, tokens = root.topk(k)  # [k]
+        scores, tokens = root.topk(k, dim=-1)  # [B, k]
         all_tokens, all_parents, all_logprobs = [tokens], [torch.full_like(tokens, -1)], [scores]
         all_scores, all_depths = [scores], [torch.ones_like(tokens)]
         expanded_nodes: list[Tensor] = []
         expanded_rows: list[Tensor] = []
-        frontier = torch.arange(k, device=device)  # node indices of the frontier
+        frontier = _rows(torch.arange(k, device=device), batch)  # [B, k] node indices
         frontier_scores = scores
         count = k
         for level in range(2, self.depth + 1):
-            candidates = _make_tree(
-                torch.cat(all_tokens),
-                torch.cat(all_parents),
-                torch.cat(all_logprobs),
-                torch.cat(all_depths),
+            candidates = TreeBatch(
+                torch.cat(all_tokens, dim=1),
+                torch.cat(all_parents, dim=1),
+                torch.cat(all_logprobs, dim=1),
+                torch.cat(all_depths, dim=1),
             )
-            log_q = _log_probs(proposer.expand(candidates, frontier))  # [f, V]
+            log_q = _log_probs(proposer.expand(candidates, frontier))  # [B, f, V]
             if keep_draft_probs:
                 expanded_nodes.append(frontier)
                 expanded_rows.append(log_q.exp())
-            child_logprobs, child_tokens = log_q.topk(k, dim=-1)  # [f, k]
-            child_scores = frontier_scores.unsqueeze(1) + child_logprobs  # [f, k]
-            child_parents = frontier.unsqueeze(1).expand_as(child_tokens)
-            all_tokens.append(child_tokens.flatten())
-            all_parents.append(child_parents.flatten())
-            all_logprobs.append(child_logprobs.flatten())
-            all_scores.append(child_scores.flatten())
-            all_depths.append(torch.full((child_tokens.numel(),), level, device=device))
+            child_logprobs, child_tokens = log_q.topk(k, dim=-1)  # [B, f, k]
+            child_scores = frontier_scores.unsqueeze(-1) + child_logprobs  # [B, f, k]
+            child_parents = frontier.unsqueeze(-1).expand_as(child_tokens)
+            all_tokens.append(child_tokens.flatten(1))
+            all_parents.append(child_parents.flatten(1))
+            all_logprobs.append(child_logprobs.flatten(1))
+            all_scores.append(child_scores.flatten(1))
+            all_depths.append(torch.full_like(child_tokens.flatten(1), level))
             # next frontier: the global top-k of this level (stable: ties keep creation order)
-            order = torch.sort(-child_scores.flatten(), stable=True).indices[:k]
+            order = torch.sort(-child_scores.flatten(1), dim=-1, stable=True).indices[:, :k]
             frontier = count + order
-            frontier_scores = child_scores.flatten()[order]
-            count += child_tokens.numel()
-        candidates = _make_tree(
-            torch.cat(all_tokens),
-            torch.cat(all_parents),
-            torch.cat(all_logprobs),
-            torch.cat(all_depths),
+            frontier_scores = child_scores.flatten(1).gather(1, order)
+            count += child_tokens[0].numel()
+        candidates = TreeBatch(
+            torch.cat(all_tokens, dim=1),
+            torch.cat(all_parents, dim=1),
+            torch.cat(all_logprobs, dim=1),
+            torch.cat(all_depths, dim=1),
         )
-        kept = select_best(torch.cat(all_scores), self.total_tokens - 1)
-        tree = candidates.select(kept)
+        kept = select_best(torch.cat(all_scores, dim=1), self.total_tokens - 1)  # [B, N]
+        trees = [candidates.tree(b).select(kept[b]) for b in range(batch)]
         if keep_draft_probs:
             # q rows only for the kept nodes: [N + 1, V], never [num_candidates + 1, V]
-            slot = torch.zeros(count, dtype=torch.long, device=device)  # 0 = not expanded
-            rows = [torch.zeros(1, vocab, device=device)]
-            if expanded_nodes:
-                nodes = torch.cat(expanded_nodes)
-                slot[nodes] = torch.arange(1, nodes.shape[0] + 1, device=device)
-                rows += expanded_rows
-            tree.draft_probs = torch.cat([root.exp().unsqueeze(0), torch.cat(rows)[slot[kept]]])
-        return tree, candidates, kept
+            for b, tree in enumerate(trees):
+                slot = torch.zeros(count, dtype=torch.long, device=device)  # 0 = not expanded
+                rows = [torch.zeros(1, vocab, device=device)]
+                if expanded_nodes:
+                    nodes = torch.cat([f[b] for f in expanded_nodes])
+                    slot[nodes] = torch.arange(1, nodes.shape[0] + 1, device=device)
+                    rows += [r[b] for r in expanded_rows]
+                tree.draft_probs = torch.cat(
+                    [root[b].exp().unsqueeze(0), torch.cat(rows)[slot[kept[b]]]]
+                )
+        return trees, candidates, kept
 
 
 def select_best(scores: Tensor, count: int) -> Tensor:
-    """Ascending indices of the `count` best candidates by score, ties to the lower index.
+    """Ascending indices of the `count` best candidates by score, ties to the lower index
+    (over the last dimension: [C] -> [count], or [B, C] -> [B, count]).
 
     Candidates are in topological order and a child's score is its parent's plus a log-prob
     <= 0, so a parent is never worse than its child and wins ties by its lower index: the kept
     set is closed under ancestors, and ascending indices keep it topologically ordered.
     """
-    order = torch.sort(-scores, stable=True).indices[:count]
-    return order.sort().values
+    order = torch.sort(-scores, dim=-1, stable=True).indices[..., :count]
+    return order.sort(dim=-1).values
 
 
 # ------------------------------------------------------------------------------------------ spec

@@ -5,43 +5,66 @@ defines what export must reproduce (ARCHITECTURE.md), so it records every verifi
 `StepRecord`: GTO reads the trees and target probabilities, Draft-OPD the anchors and the
 accept/reject split, OnlineSpec the per-round feedback.
 
-Bookkeeping (batch size 1). The committed sequence is t_0 .. t_R; the last committed token t_R is
-the *root*: the target cache holds t_0 .. t_{R-1} (the root's logits are computed by the next
-verification). A step feeds [root] + the N tree nodes to the target with the tree mask and
-positions R + depth, keeps the root and the accepted path in the cache (gathered, since accepted
-nodes are not contiguous) and appends accepted tokens + the bonus token to the sequence.
-Drafters hold one cache entry per absorbed token at that token's position; an EAGLE entry for
-token t_j also reads the target feature of t_{j-1} (so t_0 is never absorbed), and a tree node's
-entry reads its parent's drafter hidden state instead. After drafting, the drafter cache is
-rolled back to the committed tokens, which are then re-absorbed with the target's true features.
+`SpeculativeDecoder.generate` runs a `DecodeSession` to the end; serving and online learning
+drive the session step by step and may swap the drafter between steps. Drafting goes through
+the drafter's own proposer (`Drafter.proposer`, the seam objectives use for B trees) and
+verification through `decoding.score` (the tree-block conventions), so there is one engine.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_spec.decoding.build import TreePolicy
+from lightning_spec.decoding.score import score_trees_target
 from lightning_spec.decoding.tree import DraftTree
-from lightning_spec.decoding.verify import Verification, verify_greedy, verify_sample
+from lightning_spec.decoding.verify import (
+    Verification,
+    draw_uniforms,
+    inverse_cdf_sample,
+    verify_greedy,
+    verify_sample,
+)
 from lightning_spec.models.cache import keep_cache_entries
 from lightning_spec.models.drafters.base import Drafter
+from lightning_spec.models.drafters.proposer import absorb, absorbed_offset
+from lightning_spec.models.logits import tempered_log_softmax, tempered_softmax
 from lightning_spec.models.target import TargetModel
 
 GreedyVerifier = Callable[[DraftTree, Tensor], Verification]
 
+RECORD_VERSION = 2
+
+
+@dataclass
+class SparseRows:
+    """Top-k of the target's log-probs at some tree rows (0 = root, i + 1 = node i).
+
+    The rows kept are those that score *tried* nodes (the root and the accepted nodes):
+    enough for distillation at the drafter's errors without V floats per node.
+    """
+
+    rows: Tensor  # [r] long
+    logprobs: Tensor  # [r, k] the k best target log-probs of each row
+    ids: Tensor  # [r, k] their token ids
+    logsumexp: Tensor  # [r] of the (tempered) logits: logit = logprob + logsumexp
+
 
 @dataclass
 class StepRecord:
-    """One verification step: the raw material of every training objective.
+    """One verification step: the raw material of every training objective (format v2).
 
     The record carries no model state, so a serving engine (SGLang, vLLM) can produce the same
-    records for large targets without anything else changing.
+    records for large targets without anything else changing. A node is *tried* when its
+    parent is the root or accepted (verification looked at it); *rejected* nodes are tried and
+    not accepted. When the step was cut (EOS among the accepted drafts, or the token limit),
+    `accepted` is cut with `committed`, `bonus_committed` is False, and the children of the
+    last kept node count as untried: what lies beyond the cut is not part of the record.
     """
 
     anchor: int
@@ -60,22 +83,64 @@ class StepRecord:
     target_probs: Tensor | None = None
     """[N + 1, V] target distribution rows, only when the decoder keeps them."""
     timings: dict[str, float] = field(default_factory=dict)
+    bonus_committed: bool = True
+    """Whether committed[-1] is the target's bonus/correction token (False after a cut)."""
+    target_rows: SparseRows | None = None
+    """Optional sparse target rows for the rows that score tried nodes."""
+    drafter_version: str | None = None
+    """The drafter that drafted this step (stale rollouts are detectable)."""
 
     @property
     def accept_length(self) -> int:
         return int(self.accepted.shape[0])
 
     @property
+    def tried(self) -> Tensor:
+        """Bool [N]: the node's parent is the root or accepted (see the class docstring)."""
+        parents = self.tree.parents.cpu()
+        open_rows = torch.zeros(self.tree.num_nodes + 1, dtype=torch.bool)
+        open_rows[0] = True
+        open_rows[self.accepted.cpu() + 1] = True
+        if not self.bonus_committed:  # the cut closed the last kept node's children
+            last = int(self.accepted[-1]) + 1 if self.accept_length else 0
+            open_rows[last] = False
+        return open_rows[parents + 1]
+
+    @property
     def rejected(self) -> Tensor:
-        """Nodes that were verified and not accepted (Draft-OPD's rejected stream)."""
-        mask = torch.ones(self.tree.num_nodes, dtype=torch.bool)
-        mask[self.accepted] = False
+        """[r] tried and not accepted nodes, ascending (Draft-OPD's rejected stream)."""
+        mask = self.tried.clone()
+        mask[self.accepted.cpu()] = False
         return mask.nonzero().flatten()
+
+    @property
+    def first_rejected(self) -> int:
+        """The first tried-and-rejected node after the accepted path (where the accepted path
+        broke: the lowest-index rejected child of the last accepted node or of the root), -1
+        when there is none (a leaf was reached or the step was cut)."""
+        if not self.bonus_committed:
+            return -1
+        last = int(self.accepted[-1]) if self.accept_length else -1
+        children = (self.tree.parents.cpu() == last).nonzero().flatten()
+        return int(children[0]) if children.numel() else -1
+
+    def cut(self, count: int) -> StepRecord:
+        """This step with only the first `count` committed tokens (EOS, token or length cut)."""
+        if count >= len(self.committed):
+            return self
+        if count < 1:
+            raise ValueError("a step commits at least one token")
+        return replace(
+            self,
+            committed=self.committed[:count],
+            accepted=self.accepted[: min(count, self.accept_length)],
+            bonus_committed=False,
+        )
 
 
 @dataclass
 class Generation:
-    """Output of `SpeculativeDecoder.generate`."""
+    """Output of `SpeculativeDecoder.generate` (or a finished `DecodeSession`)."""
 
     prompt: list[int]
     tokens: list[int]
@@ -84,6 +149,11 @@ class Generation:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     stopped_on_eos: bool = False
+    features: Tensor | None = None
+    """[len(prompt + tokens) - 1, F] the target's features of every committed token but the
+    last (what an EAGLE loss reads), when the decoder keeps them: OnlineSpec trains on them
+    without a second target pass."""
+    drafter_version: str | None = None
 
     @property
     def tau(self) -> float:
@@ -95,75 +165,6 @@ class Generation:
     @property
     def num_verifications(self) -> int:
         return len(self.records)
-
-
-class _DrafterProposer:
-    """Adapts a Drafter to the `Proposer` protocol of tree policies, for one step."""
-
-    def __init__(
-        self,
-        drafter: Drafter,
-        state: object,
-        root_logprobs: Tensor,
-        root_hidden: Tensor,
-        root_position: int,
-    ) -> None:
-        self.drafter = drafter
-        self.state = state
-        self.root_logprobs = root_logprobs
-        self.root_hidden = root_hidden  # [H]
-        self.root_position = root_position
-        self.committed_length = drafter.state_length(state)
-        self.temperature = 0.0
-        # node index -> (offset in the drafter's tree block, output hidden)
-        self.offsets: dict[int, int] = {}
-        self.hidden: dict[int, Tensor] = {}
-
-    def root(self) -> Tensor:
-        return self.root_logprobs
-
-    def expand(self, tree: DraftTree, nodes: Tensor) -> Tensor:
-        nodes_list = [int(n) for n in nodes.tolist()]
-        parents = tree.parents.tolist()
-        depth = tree.depth.tolist()
-        block = len(self.offsets)
-        count = len(nodes_list)
-        device = self.root_hidden.device
-        mask = torch.zeros(1, count, self.committed_length + block + count, dtype=torch.bool)
-        mask[:, :, : self.committed_length] = True
-        for row, node in enumerate(nodes_list):
-            ancestor = parents[node]
-            while ancestor >= 0:
-                if ancestor not in self.offsets:
-                    raise RuntimeError(
-                        f"node {node} is expanded before its ancestor {ancestor}: tree policies "
-                        "must expand parents first"
-                    )
-                mask[0, row, self.committed_length + self.offsets[ancestor]] = True
-                ancestor = parents[ancestor]
-            mask[0, row, self.committed_length + block + row] = True
-        hidden_in = torch.stack(
-            [self.root_hidden if parents[n] < 0 else self.hidden[parents[n]] for n in nodes_list]
-        ).unsqueeze(0)
-        positions = torch.tensor(
-            [[self.root_position + depth[n] for n in nodes_list]], device=device
-        )
-        tokens = tree.tokens[nodes].unsqueeze(0).to(device)
-        output = self.drafter.step(
-            self.state, tokens, positions, hidden=hidden_in, mask=mask.to(device)
-        )
-        for row, node in enumerate(nodes_list):
-            self.offsets[node] = block + row
-            self.hidden[node] = output.hidden[0, row]
-        return _draft_logprobs(self.drafter, output.logits[0], self.temperature)
-
-
-def _draft_logprobs(drafter: Drafter, logits: Tensor, temperature: float) -> Tensor:
-    """Draft log-probs on the target vocabulary, temperature-scaled when sampling."""
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    return drafter.to_target(F.log_softmax(logits, dim=-1))
 
 
 class SpeculativeDecoder:
@@ -178,14 +179,19 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         greedy_verifier: GreedyVerifier | None = None,
         keep_target_probs: bool = False,
+        keep_target_rows: int = 0,
+        keep_features: bool = False,
         eos_token_ids: Sequence[int] | None = None,
         use_kernels: bool = False,
+        drafter_version: str | None = None,
     ) -> None:
         """`use_kernels` routes the target's tree forward through the Triton tree-attention
         kernel and greedy verification through the fused tree-verify kernel (GPU, or CPU under
-        TRITON_INTERPRET=1); it switches the target model's attention implementation."""
-        if temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        TRITON_INTERPRET=1); it switches the target model's attention implementation.
+        `keep_target_rows` > 0 records that many top target log-probs per tried row
+        (`StepRecord.target_rows`); `keep_features` keeps the committed tokens' target features
+        on the `Generation`."""
+        _check_temperature(temperature)
         if use_kernels:
             from lightning_spec.decoding.fast_path import (
                 enable_tree_attention,
@@ -200,27 +206,30 @@ class SpeculativeDecoder:
         self.temperature = float(temperature)
         self.greedy_verifier = greedy_verifier or verify_greedy
         self.keep_target_probs = keep_target_probs
+        self.keep_target_rows = int(keep_target_rows)
+        self.keep_features = keep_features
+        self.drafter_version = drafter_version
         self.eos_token_ids = set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        drafter_vocab = drafter.target_vocab_size
-        if drafter_vocab != target.vocab_size:
-            raise ValueError(
-                f"drafter maps onto a vocabulary of {drafter_vocab} tokens but the target has "
-                f"{target.vocab_size}: the drafter was built for another tokenizer"
-            )
+        _check_vocab(drafter, target)
 
-    # ------------------------------------------------------------------ helpers
-    def _absorb(
-        self, state: object, tokens: list[int], start: int, features: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        """Feed committed `tokens` (positions start..) to the drafter; return last logits, hidden."""
-        device = self.target.device
-        ids = torch.tensor([tokens], device=device)
-        positions = torch.arange(start, start + len(tokens), device=device).unsqueeze(0)
-        kwargs = {}
-        if self.drafter.needs_features:
-            kwargs["features"] = features.unsqueeze(0)
-        output = self.drafter.step(state, ids, positions, **kwargs)
-        return output.logits[0, -1], output.hidden[0, -1]
+    def start(
+        self,
+        prompt_ids: Sequence[int] | Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float | None = None,
+        generator: torch.Generator | None = None,
+        stop_on_eos: bool = True,
+    ) -> DecodeSession:
+        """Prefill `prompt_ids` and return a session that decodes step by step."""
+        return DecodeSession(
+            self,
+            prompt_ids,
+            max_new_tokens,
+            temperature=self.temperature if temperature is None else float(temperature),
+            generator=generator,
+            stop_on_eos=stop_on_eos,
+        )
 
     @torch.no_grad()
     def generate(
@@ -233,163 +242,282 @@ class SpeculativeDecoder:
         stop_on_eos: bool = True,
     ) -> Generation:
         """Decode up to `max_new_tokens` after `prompt_ids` (a 1-D list or tensor)."""
-        temperature = self.temperature if temperature is None else float(temperature)
+        session = self.start(
+            prompt_ids,
+            max_new_tokens,
+            temperature=temperature,
+            generator=generator,
+            stop_on_eos=stop_on_eos,
+        )
+        while not session.done:
+            session.step()
+        return session.result()
+
+
+class DecodeSession:
+    """One generation, step by step: `step()` drafts, verifies and commits once; `refresh`
+    swaps or reloads the drafter between steps (re-absorbing the committed tokens with the
+    target features the session kept), so an online learner can update mid-stream.
+
+    Bookkeeping (batch size 1). The committed sequence is t_0 .. t_R; the last committed token
+    t_R is the *root*: the target cache holds t_0 .. t_{R-1} (the root's row is computed by the
+    next verification). A step feeds [root] + the N tree nodes with the tree mask and
+    positions R + depth (`decoding.score`), keeps the root and the accepted path in the cache,
+    and appends the accepted tokens and the bonus token to the sequence. The drafter holds one
+    entry per absorbed token (`models.drafters.proposer`); after drafting it is rolled back to
+    the committed tokens, which are then re-absorbed with the target's true features.
+    """
+
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        prompt_ids: Sequence[int] | Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float,
+        generator: torch.Generator | None,
+        stop_on_eos: bool,
+    ) -> None:
+        _check_temperature(temperature)
+        self.decoder = decoder
+        self.temperature = temperature
+        self.generator = generator
+        self.stop_on_eos = stop_on_eos
+        self.max_new_tokens = int(max_new_tokens)
+        target = decoder.target
         prompt = [
             int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, Tensor) else prompt_ids)
         ]
         if not prompt:
             raise ValueError("the prompt must hold at least one token")
-        if max_new_tokens <= 0:
-            return Generation(prompt=prompt, tokens=[], records=[])
-        if max(prompt) >= self.target.vocab_size or min(prompt) < 0:
+        if max(prompt) >= target.vocab_size or min(prompt) < 0:
             raise ValueError("prompt token id out of the target's vocabulary")
-        device = self.target.device
-        start_time = time.perf_counter()
-        # Prefill: the target reads the prompt and contributes the first new token.
-        output = self.target(torch.tensor([prompt], device=device))
-        cache = output.cache
+        self.prompt = prompt
+        self.records: list[StepRecord] = []
+        self.new_tokens: list[int] = []
+        self.sequence = list(prompt)
+        self.stopped = False
+        self._features: list[Tensor] = []  # target features of sequence[:-1], in chunks
+        self._start_time = time.perf_counter()
+        self.prefill_seconds = 0.0
+        self.cache: object | None = None
+        if self.max_new_tokens <= 0:
+            return
+        needs_features = decoder.drafter.needs_features or decoder.keep_features
+        output = target(
+            torch.tensor([prompt], device=target.device), output_features=needs_features
+        )
+        self.cache = output.cache
         first = _choose(output.logits[0, -1], temperature, generator)
-        sequence = prompt + [first]
-        prefill_seconds = time.perf_counter() - start_time
-        new_tokens = [first]
-        records: list[StepRecord] = []
-        stopped = stop_on_eos and first in self.eos_token_ids
-        state = self.drafter.new_state(1)
-        # The drafter absorbs the prompt and the first token (EAGLE: t_1.., features t_0..).
-        if self.drafter.needs_features:
-            root_logits, root_hidden = self._absorb(state, sequence[1:], 1, output.features[0])
-        else:
-            root_logits, root_hidden = self._absorb(state, sequence, 0, None)
-        while not stopped and len(new_tokens) < max_new_tokens:
-            record, committed_features = self._step(
-                cache, state, sequence, root_logits, root_hidden, temperature, generator
-            )
-            budget = max_new_tokens - len(new_tokens)
-            committed = record.committed[:budget]
-            for index, token in enumerate(committed):
-                if stop_on_eos and token in self.eos_token_ids:
-                    committed = committed[: index + 1]
-                    stopped = True
-                    break
-            record.committed = committed
-            records.append(record)
-            new_tokens.extend(committed)
-            sequence.extend(committed)
-            if stopped or len(new_tokens) >= max_new_tokens:
+        self.sequence.append(first)
+        self.new_tokens.append(first)
+        self.prefill_seconds = time.perf_counter() - self._start_time
+        self.stopped = stop_on_eos and first in decoder.eos_token_ids
+        if output.features is not None:
+            self._features.append(output.features[0])
+        self._absorb_all()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def done(self) -> bool:
+        return self.stopped or len(self.new_tokens) >= self.max_new_tokens
+
+    @property
+    def features(self) -> Tensor | None:
+        """[len(sequence) - 1, F] target features of the committed tokens but the last."""
+        return torch.cat(self._features) if self._features else None
+
+    def refresh(self, drafter: Drafter | None = None, *, version: str | None = None) -> None:
+        """Use `drafter` (or the decoder's current one, e.g. after an update) from the next
+        step on: a fresh drafter state re-absorbs every committed token."""
+        decoder = self.decoder
+        if drafter is not None:
+            _check_vocab(drafter, decoder.target)
+            decoder.drafter = drafter
+        if version is not None:
+            decoder.drafter_version = version
+        if decoder.drafter.needs_features and not self._features:
+            raise RuntimeError("the session kept no target features to re-absorb")
+        if not self.done:
+            self._absorb_all()
+
+    def _absorb_all(self) -> None:
+        """A new drafter state over the whole committed sequence (prefill or refresh)."""
+        drafter = self.decoder.drafter
+        self.state = drafter.new_state(1)
+        offset = absorbed_offset(drafter)
+        device = self.decoder.target.device
+        tokens = torch.tensor([self.sequence[offset:]], device=device)
+        features = None
+        if drafter.needs_features:
+            features = self.features[: tokens.shape[1]].unsqueeze(0)
+        output = absorb(drafter, self.state, tokens, offset, features)
+        self.root_logits, self.root_hidden = output.logits[0, -1], output.hidden[0, -1]
+
+    # ------------------------------------------------------------------ decoding
+    @torch.no_grad()
+    def step(self) -> StepRecord:
+        """Draft, verify and commit once; returns the step's record."""
+        if self.done:
+            raise RuntimeError("the session is done: no tokens left to decode")
+        decoder = self.decoder
+        record, committed_features = self._verify_step()
+        budget = self.max_new_tokens - len(self.new_tokens)
+        count = min(len(record.committed), budget)
+        for index, token in enumerate(record.committed[:count]):
+            if self.stop_on_eos and token in decoder.eos_token_ids:
+                count = index + 1
+                self.stopped = True
                 break
+        record = record.cut(count)
+        self.records.append(record)
+        self.new_tokens.extend(record.committed)
+        self.sequence.extend(record.committed)
+        if committed_features is not None:
+            self._features.append(committed_features)
+        if not self.done:
             tic = time.perf_counter()
-            root = len(sequence) - 1
             absorbed = record.accept_length + 1
-            if self.drafter.needs_features:
-                root_logits, root_hidden = self._absorb(
-                    state, sequence[-absorbed:], root - absorbed + 1, committed_features
-                )
-            else:
-                root_logits, root_hidden = self._absorb(
-                    state, sequence[-absorbed:], root - absorbed + 1, None
-                )
+            root = len(self.sequence) - 1
+            device = decoder.target.device
+            tokens = torch.tensor([self.sequence[-absorbed:]], device=device)
+            features = None
+            if decoder.drafter.needs_features:
+                features = committed_features.unsqueeze(0)
+            output = absorb(decoder.drafter, self.state, tokens, root - absorbed + 1, features)
+            self.root_logits, self.root_hidden = output.logits[0, -1], output.hidden[0, -1]
             record.timings["draft"] += time.perf_counter() - tic
+        return record
+
+    def result(self) -> Generation:
+        """The generation so far (complete once `done`)."""
         return Generation(
-            prompt=prompt,
-            tokens=new_tokens,
-            records=records,
-            prefill_seconds=prefill_seconds,
-            total_seconds=time.perf_counter() - start_time,
-            stopped_on_eos=stopped,
+            prompt=self.prompt,
+            tokens=list(self.new_tokens),
+            records=list(self.records),
+            prefill_seconds=self.prefill_seconds,
+            total_seconds=time.perf_counter() - self._start_time,
+            stopped_on_eos=self.stopped,
+            features=self.features if self.decoder.keep_features else None,
+            drafter_version=self.decoder.drafter_version,
         )
 
-    def _step(
-        self,
-        cache: object,
-        state: object,
-        sequence: list[int],
-        root_logits: Tensor,
-        root_hidden: Tensor,
-        temperature: float,
-        generator: torch.Generator | None,
-    ) -> tuple[StepRecord, Tensor | None]:
-        device = self.target.device
-        root_position = len(sequence) - 1
+    def _verify_step(self) -> tuple[StepRecord, Tensor | None]:
+        decoder = self.decoder
+        drafter, target, temperature = decoder.drafter, decoder.target, self.temperature
+        root_position = len(self.sequence) - 1
         timings: dict[str, float] = {}
-        # ---- draft
+        # ---- draft, through the drafter's own proposer (the seam objectives use too)
         tic = time.perf_counter()
-        proposer = _DrafterProposer(
-            self.drafter,
-            state,
-            _draft_logprobs(self.drafter, root_logits, temperature),
-            root_hidden,
-            root_position,
+        device = self.root_logits.device
+        proposer = drafter.proposer(
+            self.state,
+            self.root_logits.unsqueeze(0),
+            self.root_hidden.unsqueeze(0),
+            torch.tensor([root_position], device=device),
+            temperature=temperature,
         )
-        proposer.temperature = temperature
-        committed_length = proposer.committed_length
-        tree = self.policy.build(
+        tree = decoder.policy.build_batch(
             proposer,
             temperature=temperature,
-            generator=generator,
-            keep_draft_probs=temperature > 0,
-        )
-        self.drafter.truncate_state(state, committed_length)
+            generator=self.generator,
+            keep_draft_probs=decoder.policy.needs_draft_probs(temperature),
+        )[0]
+        proposer.finish()
         timings["draft"] = time.perf_counter() - tic
         # ---- verify: one target forward over [root] + nodes with the tree mask
         tic = time.perf_counter()
         n = tree.num_nodes
-        past = root_position
-        mask = torch.zeros(1, n + 1, past + n + 1, dtype=torch.bool)
-        mask[:, :, : past + 1] = True
-        if n:
-            mask[0, 1:, past + 1 :] = tree.ancestor_mask().cpu()
-        tokens = torch.cat([torch.tensor([sequence[-1]]), tree.tokens.cpu()]).unsqueeze(0)
-        depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth.cpu()])
-        positions = (root_position + depth).unsqueeze(0)
-        output = self.target(
-            tokens.to(device),
-            position_ids=positions.to(device),
-            tree_mask=mask.to(device),
-            cache=cache,
-        )
-        logits = output.logits[0].float()  # [N + 1, V]
+        outputs = {"rows"}
+        keep_features = drafter.needs_features or decoder.keep_features
+        if keep_features:
+            outputs.add("features")
+        scores = score_trees_target(
+            target,
+            self.cache,
+            [tree],
+            [self.sequence[-1]],
+            [root_position],
+            outputs=outputs,
+            keep_block=True,
+            max_tokens=n + 1,
+        )[0]
+        logits = scores.rows  # [N + 1, V] float
         if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            verification = verify_sample(tree, probs, generator=generator)
-            row_logprobs = torch.log(probs.clamp_min(1e-30))
+            probs = tempered_softmax(logits, temperature)
+            verification = verify_sample(tree, probs, generator=self.generator)
         else:
             probs = None
-            verification = self.greedy_verifier(tree, logits)
-            row_logprobs = F.log_softmax(logits, dim=-1)
+            verification = decoder.greedy_verifier(tree, logits)
         timings["verify"] = time.perf_counter() - tic
         # ---- update: keep the root and the accepted path in the target cache
         tic = time.perf_counter()
         accepted = verification.accepted.cpu()
         keep = torch.cat([torch.zeros(1, dtype=torch.long), accepted + 1])
-        keep_cache_entries(cache, n + 1, keep)
+        keep_cache_entries(self.cache, n + 1, keep)
         features = None
-        if self.drafter.needs_features:
-            features = output.features[0, keep.to(device)]
-        parent_rows = (tree.parents.cpu() + 1) if n else torch.zeros(0, dtype=torch.long)
-        token_logprobs = row_logprobs.cpu()[parent_rows, tree.tokens.cpu()] if n else torch.zeros(0)
+        if keep_features:
+            features = scores.features[keep.to(scores.features.device)]
+        row_logprobs = tempered_log_softmax(logits, temperature).cpu()
+        parent_rows = tree.parents.cpu() + 1
+        token_logprobs = row_logprobs[parent_rows, tree.tokens.cpu()] if n else torch.zeros(0)
+        target_rows = None
+        if decoder.keep_target_rows > 0:
+            rows = keep.clone()  # the root and the accepted nodes score the tried nodes
+            values, ids = row_logprobs[rows].topk(min(decoder.keep_target_rows, logits.shape[-1]))
+            scaled = logits if temperature <= 0 else logits / temperature
+            target_rows = SparseRows(rows, values, ids, torch.logsumexp(scaled[rows], -1).cpu())
         timings["update"] = time.perf_counter() - tic
+        keep_q = tree.draft_probs is not None and tree.iid_children
         record = StepRecord(
             anchor=root_position,
-            tree=tree.to("cpu"),
+            tree=tree.to("cpu") if keep_q else _without_rows(tree).to("cpu"),
             target_token_logprobs=token_logprobs,
             target_argmax=logits.argmax(dim=-1).cpu(),
             accepted=accepted,
             committed=verification.committed_tokens(tree),
             temperature=temperature,
             target_probs=(probs if probs is not None else torch.softmax(logits, -1)).cpu()
-            if self.keep_target_probs
+            if decoder.keep_target_probs
             else None,
             timings=timings,
+            target_rows=target_rows,
+            drafter_version=decoder.drafter_version,
         )
         return record, features
 
 
+def _without_rows(tree: DraftTree) -> DraftTree:
+    """The tree without its [N + 1, V] q rows (kept only where verification reads them)."""
+    if tree.draft_probs is None:
+        return tree
+    return replace(tree, draft_probs=None)
+
+
+def _check_vocab(drafter: Drafter, target: TargetModel) -> None:
+    drafter_vocab = drafter.target_vocab_size
+    if drafter_vocab != target.vocab_size:
+        raise ValueError(
+            f"drafter maps onto a vocabulary of {drafter_vocab} tokens but the target has "
+            f"{target.vocab_size}: the drafter was built for another tokenizer"
+        )
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature >= 0:  # also catches NaN
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+
+
 def _choose(logits: Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """Greedy or sampled token from one row of target logits."""
+    """Greedy or sampled token from one row of target logits.
+
+    The uniform is drawn on the generator's own device, so a CUDA generator works too
+    (`torch.multinomial` on CPU probabilities rejects one).
+    """
     if temperature <= 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    probs = tempered_softmax(logits, temperature)
+    return inverse_cdf_sample(probs, draw_uniforms(1, generator)[0])
 
 
 @torch.no_grad()

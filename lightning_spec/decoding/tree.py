@@ -21,7 +21,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["DraftTree"]
+__all__ = ["DraftTree", "TreeBatch", "ancestor_masks"]
+
+
+def ancestor_masks(parents: Tensor) -> Tensor:
+    """Bool [..., N, N] ancestor masks of trees given by `parents` [..., N] (-1 = root child).
+
+    Row i holds node i and its ancestors. Pointer jumping: after step k each row holds the
+    ancestors closer than 2**k, so ceil(log2 N) gathers suffice, with no host synchronisation
+    and no matmul (tiny multi-threaded matmuls stall on busy CPUs). The one implementation of
+    tree-attention masks: the decoder, the drafting seam and the scoring module all use it.
+    """
+    n = parents.shape[-1]
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device).expand(*parents.shape, n)
+    jump = parents  # the 2**k-th ancestor of each node, -1 past the root
+    for _ in range(math.ceil(math.log2(n)) if n > 1 else 0):
+        has_jump = jump >= 0
+        target = jump.clamp(min=0)
+        gathered = torch.take_along_dim(mask, target.unsqueeze(-1), dim=-2)
+        mask = mask | (gathered & has_jump.unsqueeze(-1))
+        jump = torch.where(has_jump, torch.take_along_dim(jump, target, dim=-1), jump)
+    return mask.contiguous()
 
 
 @dataclass(eq=False)
@@ -107,21 +127,10 @@ class DraftTree:
     def ancestor_mask(self) -> Tensor:
         """Bool [N, N]: node i attends to node j iff j is i or an ancestor of i.
 
-        Built by pointer jumping: after step k each row holds the ancestors closer than 2**k, so
-        ceil(log2 N) gathers suffice, with no host synchronisation and no matmul (tiny
-        multi-threaded matmuls stall on busy CPUs).
+        See `ancestor_masks` (the batched form, shared with the drafting and scoring seams).
         """
         if self._mask is None:
-            n = self.num_nodes
-            device = self.parents.device
-            mask = torch.eye(n, dtype=torch.bool, device=device)
-            jump = self.parents  # the 2**k-th ancestor of each node, -1 past the root
-            for _ in range(math.ceil(math.log2(n)) if n > 1 else 0):
-                has_jump = jump >= 0
-                target = jump.clamp(min=0)
-                mask = mask | (mask[target] & has_jump.unsqueeze(1))
-                jump = torch.where(has_jump, jump[target], jump)
-            self._mask = mask
+            self._mask = ancestor_masks(self.parents)
         return self._mask
 
     @property
@@ -226,3 +235,41 @@ class DraftTree:
         if self._depth is not None:
             tree._depth = self._depth.to(device)
         return tree
+
+
+@dataclass(eq=False)
+class TreeBatch:
+    """B trees of equal size N growing in lockstep: what batched tree policies hand a proposer.
+
+    Every built-in policy adds the same number of nodes per level to every tree (chain: 1,
+    static: fixed, dynamic: top_k**2 candidates), so a batch of B trees is a set of [B, N]
+    tensors; `tree(b)` is row b as a `DraftTree`.
+    """
+
+    tokens: Tensor  # [B, N] long
+    parents: Tensor  # [B, N] long
+    logprobs: Tensor  # [B, N] float
+    depth: Tensor  # [B, N] long, 1 for root children
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def tree(self, row: int) -> DraftTree:
+        tree = DraftTree(self.tokens[row], self.parents[row], self.logprobs[row])
+        tree._depth = self.depth[row]
+        return tree
+
+    @staticmethod
+    def stack(trees: list[DraftTree]) -> TreeBatch:
+        """Trees of equal size as one batch (e.g. for re-scoring chosen paths)."""
+        return TreeBatch(
+            torch.stack([t.tokens for t in trees]),
+            torch.stack([t.parents for t in trees]),
+            torch.stack([t.logprobs for t in trees]),
+            torch.stack([t.depth for t in trees]),
+        )

@@ -108,10 +108,17 @@ def test_records_describe_the_steps(setup: dict) -> None:
         rows = torch.log(record.target_probs[tree.parents + 1, tree.tokens])
         torch.testing.assert_close(rows, record.target_token_logprobs, atol=1e-4, rtol=1e-4)
         assert set(record.timings) == {"draft", "verify", "update"}
-        assert all(
-            r in record.rejected.tolist() or r in record.accepted.tolist()
-            for r in range(tree.num_nodes)
-        )
+        # v2: tried = parent is the root or accepted; rejected = tried and not accepted.
+        accepted_set = set(record.accepted.tolist())
+        for node, parent in enumerate(tree.parents.tolist()):
+            parent_open = parent < 0 or parent in accepted_set
+            if not record.bonus_committed:
+                last = record.accepted.tolist()[-1] if record.accept_length else -1
+                parent_open = parent_open and parent != last
+            assert bool(record.tried[node]) == parent_open
+            assert (node in record.rejected.tolist()) == (parent_open and node not in accepted_set)
+        if record.bonus_committed and record.first_rejected >= 0:
+            assert record.first_rejected in record.rejected.tolist()
         position += len(record.committed)
 
 
@@ -120,14 +127,10 @@ def test_target_cache_tracks_sequence(setup: dict) -> None:
     target = setup["target"]
     decoder = SpeculativeDecoder(target, setup["noisy"], ChainPolicy(3))
     seen = []
-    original = decoder._step
-
-    def spy(cache, state, sequence, *args):
-        seen.append((cache_length(cache), len(sequence)))
-        return original(cache, state, sequence, *args)
-
-    decoder._step = spy
-    decoder.generate(list(range(30, 36)), 25, stop_on_eos=False)
+    session = decoder.start(list(range(30, 36)), 25, stop_on_eos=False)
+    while not session.done:
+        seen.append((cache_length(session.cache), len(session.sequence)))
+        session.step()
     assert seen and all(length == size - 1 for length, size in seen)
 
 

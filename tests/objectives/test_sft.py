@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from lightning_spec.callbacks.acceptance import AcceptanceEval
 from lightning_spec.callbacks.checkpoint import STATE_FILE, DrafterCheckpoint
 from lightning_spec.callbacks.plots import AcceptancePlot
-from lightning_spec.decoding.engine import _DrafterProposer
+from lightning_spec.decoding.tree import TreeBatch
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.models.drafters.base import load_drafter
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
@@ -124,16 +124,25 @@ def test_ttt_step_k_equals_decoder_chain_at_depth_k(target: TargetModel) -> None
                     logprobs = torch.log_softmax(absorbed.logits[0, -1], -1)
                     hidden = absorbed.hidden[0, -1]
                     if k > 0:  # ... then expands a chain of k ground-truth tokens.
-                        proposer = _DrafterProposer(drafter, state, logprobs, hidden, root)
-                        chain = DraftTree(
-                            tokens=ids[b, root + 1 : root + k + 1].clone(),
-                            parents=torch.arange(-1, k - 1),
-                            logprobs=torch.zeros(k),
+                        proposer = drafter.proposer(
+                            state,
+                            absorbed.logits[0, -1:],
+                            absorbed.hidden[0, -1:],
+                            torch.tensor([root]),
+                        )
+                        chain = TreeBatch.stack(
+                            [
+                                DraftTree(
+                                    tokens=ids[b, root + 1 : root + k + 1].clone(),
+                                    parents=torch.arange(-1, k - 1),
+                                    logprobs=torch.zeros(k),
+                                )
+                            ]
                         )
                         for node in range(k):
-                            rows = proposer.expand(chain, torch.tensor([node]))
-                        logprobs = rows[0]
-                        hidden = proposer.hidden[k - 1]
+                            rows = proposer.expand(chain, torch.tensor([[node]]))
+                        logprobs = rows[0, 0]
+                        hidden = proposer.hidden[0, k - 1]
                     else:
                         logprobs = drafter.to_target(logprobs)
                 ttt = drafter.to_target(torch.log_softmax(outputs[k].logits[b, j - 1], -1))

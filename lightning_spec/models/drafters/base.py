@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from lightning_spec.models.drafters.proposer import DrafterProposer
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -68,6 +71,48 @@ class Drafter(nn.Module):
         `features` [B, T, F] or their own `hidden` [B, T, H] for the token before each input.
         """
         raise NotImplementedError
+
+    def draft_step(
+        self,
+        state: Any,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        *,
+        depth: Tensor,
+        hidden: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> DrafterOutput:
+        """`step` for draft-tree nodes at draft `depth` [B, T] (1 = children of the root).
+
+        The default ignores the depth (EAGLE heads and small LMs draft every depth alike); a
+        drafter with one head per depth (Hydra) or block slots (DFlash) reads it here.
+        """
+        del depth
+        return self.step(state, input_ids, position_ids, hidden=hidden, mask=mask)
+
+    def proposer(
+        self,
+        state: Any,
+        root_logits: Tensor,
+        root_hidden: Tensor,
+        root_positions: Tensor,
+        *,
+        temperature: float = 0.0,
+        context_lengths: Tensor | None = None,
+    ) -> DrafterProposer:
+        """The drafting seam the decoder and the objectives use (see `DrafterProposer`);
+        override to feed tree nodes another way."""
+        from lightning_spec.models.drafters.proposer import DrafterProposer
+
+        return DrafterProposer(
+            self,
+            state,
+            root_logits,
+            root_hidden,
+            root_positions,
+            temperature=temperature,
+            context_lengths=context_lengths,
+        )
 
     def forward(
         self,

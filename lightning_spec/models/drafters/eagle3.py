@@ -24,25 +24,57 @@ from lightning_spec.models.vocab import build_draft_vocab, draft_to_target_ids
 
 @dataclass
 class KVState:
-    """A single-layer drafter cache: plain tensors, sliced to roll back."""
+    """A single-layer drafter cache: plain tensors, sliced to roll back.
+
+    `keys`/`values` hold the cache of the state's own batch. When B > 1 rows are fed on top of
+    a batch-1 cache (B draft trees over one teacher-forced sequence), the batch-1 part becomes
+    a `shared` prefix every row attends without a copy, and the rows' own entries grow in
+    `keys`/`values` (batch B); `truncate` to the shared length drops them again.
+    """
 
     keys: Tensor | None = None  # [B, H_kv, L, D]
     values: Tensor | None = None
+    shared: tuple[Tensor, Tensor] | None = None  # [1, H_kv, S, D] each
+
+    @property
+    def shared_length(self) -> int:
+        return 0 if self.shared is None else int(self.shared[0].shape[2])
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[2])
+        own = 0 if self.keys is None else int(self.keys.shape[2])
+        return self.shared_length + own
+
+    def share_for(self, batch: int) -> None:
+        """Before feeding `batch` rows: a batch-1 cache becomes the shared prefix."""
+        if self.keys is None or self.shared is not None or batch == self.keys.shape[0]:
+            return
+        if self.keys.shape[0] != 1:
+            raise ValueError(
+                f"the drafter state holds {self.keys.shape[0]} rows, the input {batch}: only a "
+                "batch-1 state can be shared by several rows"
+            )
+        self.shared = (self.keys, self.values)
+        self.keys = self.values = None
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` positions (roll back drafted entries)."""
+        if self.shared is not None and length <= self.shared_length:
+            keys, values = self.shared
+            self.shared = None
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+            return
         if self.keys is not None:
-            self.keys = self.keys[:, :, :length]
-            self.values = self.values[:, :, :length]
+            own = length - self.shared_length
+            self.keys = self.keys[:, :, :own]
+            self.values = self.values[:, :, :own]
 
     def keep(self, drop_last: int, keep: Tensor | list[int]) -> None:
         """Drop the last `drop_last` positions except the offsets in `keep` (see models.cache)."""
         if self.keys is None or drop_last <= 0:
             return
+        if self.shared is not None:
+            raise ValueError("keep() on a shared drafter state: truncate it first")
         start = self.length - drop_last
         offsets = torch.as_tensor(keep, dtype=torch.long).cpu()
         index = torch.cat([torch.arange(start), start + offsets]).to(self.keys.device)
@@ -80,8 +112,9 @@ class Eagle3Layer(nn.Module):
     ) -> Tensor:
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        state.share_for(x.shape[0])
         attended, state.keys, state.values = self.self_attn(
-            x, position_ids, state.keys, state.values, mask
+            x, position_ids, state.keys, state.values, mask, shared=state.shared
         )
         hidden = residual + attended
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

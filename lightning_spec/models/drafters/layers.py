@@ -73,8 +73,14 @@ class CachedAttention(nn.Module):
         past_keys: Tensor | None,
         past_values: Tensor | None,
         mask: Tensor | None,
+        shared: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """x [B, T, In] -> (out [B, T, Out], keys, values) with keys/values = past + new."""
+        """x [B, T, In] -> (out [B, T, Out], keys, values) with keys/values = past + new.
+
+        `shared` is an optional (keys, values) prefix of batch 1 that every row may attend
+        (under `mask`, whose columns are shared + past + new) without being copied per row:
+        B draft trees over one teacher-forced sequence cache (GTO's per-prefix trees).
+        """
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -84,6 +90,8 @@ class CachedAttention(nn.Module):
         if past_keys is not None:
             k = torch.cat([past_keys, k], dim=2)
             v = torch.cat([past_values, v], dim=2)
+        if shared is not None:
+            return self._attend_shared(q, k, v, shared, mask), k, v
         past = k.shape[2] - length
         if mask is None:
             mask = torch.ones(length, past + length, dtype=torch.bool, device=x.device)
@@ -96,6 +104,29 @@ class CachedAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k_rep, v_rep, attn_mask=mask.unsqueeze(1))
         out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
         return self.o_proj(out), k, v
+
+    def _attend_shared(
+        self, q: Tensor, k: Tensor, v: Tensor, shared: tuple[Tensor, Tensor], mask: Tensor | None
+    ) -> Tensor:
+        """Attention over [shared prefix (batch 1), own keys (batch B)] by broadcasting matmuls."""
+        shared_keys, shared_values = shared  # [1, Hkv, L, D]
+        batch, _, length, dim = q.shape
+        groups = self.num_heads // self.num_kv_heads
+        if mask is None:
+            raise ValueError("attention over a shared prefix needs an explicit mask")
+        if mask.dim() == 2:
+            mask = mask.unsqueeze(0)
+        qg = q.view(batch, self.num_kv_heads, groups, length, dim)
+        scale = dim**-0.5
+        scores_shared = qg @ shared_keys.transpose(-1, -2).unsqueeze(2)  # [B, Hkv, g, T, L]
+        scores_own = qg @ k.transpose(-1, -2).unsqueeze(2)  # [B, Hkv, g, T, n]
+        scores = torch.cat([scores_shared, scores_own], dim=-1) * scale
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        split = shared_keys.shape[2]
+        out = weights[..., :split] @ shared_values.unsqueeze(2) + weights[..., split:] @ v.unsqueeze(2)
+        out = out.reshape(batch, self.num_heads, length, dim).transpose(1, 2)
+        return self.o_proj(out.reshape(batch, length, self.num_heads * dim))
 
 
 class GatedMLP(nn.Module):
