@@ -25,8 +25,10 @@ from lightning_spec.decoding.tree import DraftTree
 
 __all__ = [
     "branch_values",
+    "branch_values_from_factors",
     "expected_accepted",
     "node_accept_probs",
+    "node_accept_probs_from_factors",
     "per_token_alpha",
     "tree_reward",
 ]
@@ -46,8 +48,13 @@ def _node_target_probs(tree: DraftTree, target_probs: Tensor) -> Tensor:
 
 def node_accept_probs(tree: DraftTree, target_probs: Tensor) -> Tensor:
     """[N] probability that each node is accepted: the product of p along its path."""
-    factors = _node_target_probs(tree, target_probs)  # [N]
-    mask = tree.ancestor_mask()  # [N, N]
+    return node_accept_probs_from_factors(tree, _node_target_probs(tree, target_probs))
+
+
+def node_accept_probs_from_factors(tree: DraftTree, factors: Tensor) -> Tensor:
+    """[N] acceptance probabilities from per-node factors [N] = p(node token | parent context)
+    (e.g. `TreeScores.token_logprobs.exp()`): no dense [N + 1, V] rows needed."""
+    mask = tree.ancestor_mask().to(factors.device)  # [N, N]
     ones = torch.ones((), dtype=factors.dtype, device=factors.device)
     return torch.where(mask, factors.unsqueeze(0), ones).prod(dim=-1)
 
@@ -59,8 +66,13 @@ def expected_accepted(tree: DraftTree, target_probs: Tensor) -> Tensor:
 
 def branch_values(tree: DraftTree, target_probs: Tensor) -> Tensor:
     """[num_leaves] GTO branch values, one per root-to-leaf branch in `tree.paths()` order."""
-    accept = node_accept_probs(tree, target_probs)  # [N]
-    on_branch = tree.ancestor_mask()[tree.leaves()]  # [num_leaves, N]
+    return branch_values_from_factors(tree, _node_target_probs(tree, target_probs))
+
+
+def branch_values_from_factors(tree: DraftTree, factors: Tensor) -> Tensor:
+    """`branch_values` from per-node factors [N] (see `node_accept_probs_from_factors`)."""
+    accept = node_accept_probs_from_factors(tree, factors)  # [N]
+    on_branch = tree.ancestor_mask().to(accept.device)[tree.leaves()]  # [num_leaves, N]
     return (on_branch.to(accept.dtype) * accept.unsqueeze(0)).sum(dim=-1)
 
 
