@@ -1,25 +1,28 @@
-"""Plain statistics for benchmark tables: tau, per-depth acceptance, bootstrap intervals.
+"""Plain statistics for benchmark tables: bootstrap intervals, medians, pooled rates.
 
 Benchmarks report numbers over a few dozen prompts on a shared machine, so every headline figure
 comes with a 95% percentile-bootstrap interval over prompts (MEASURING.md): resample the prompts
 with replacement, recompute the statistic, take the 2.5% and 97.5% quantiles. Resampling whole
 prompts (not steps) keeps the dependence between the steps of one answer inside each resample.
 
-Conventions (MEASURING.md): tau = tokens committed per target verification = accepted drafts + 1
-(the bonus or correction token), pooled over steps; alpha_j = P(draft j accepted | drafts
-1..j-1 accepted). These functions take plain numbers or duck-typed step records (anything with
-`committed`, `accept_length` and `tree.max_depth`), so they do not depend on the decoder, and
-return `None` where a quantity is undefined, which JSON writes as null (never NaN).
+tau and per-depth acceptance are defined once, in `lightning_spec.metrics` (MEASURING.md: tau
+= tokens committed per target verification = accepted drafts + 1, pooled over steps; alpha_j =
+P(draft j accepted | drafts 1..j-1 accepted), counting only depths the tree offered on the
+accepted path); `tau_from_records`, `per_depth_acceptance` and `alpha_from_records` are
+re-exported here for existing callers. These functions take plain numbers and return `None`
+where a quantity is undefined, which JSON writes as null (never NaN).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_spec.metrics import alpha_from_records, per_depth_acceptance, tau_from_records
 
 __all__ = [
     "bootstrap_ci",
@@ -36,13 +39,6 @@ __all__ = [
 ]
 
 Interval = tuple[float, float]
-
-
-class _Record(Protocol):
-    committed: list[int]
-
-    @property
-    def accept_length(self) -> int: ...
 
 
 def median(values: Sequence[float]) -> float | None:
@@ -118,58 +114,6 @@ def _as_columns(values: Sequence[Any]) -> list[list[float]]:
     if isinstance(values, tuple) and values and isinstance(values[0], (list, tuple)):
         return [[float(v) for v in column] for column in values]
     return [[float(v) for v in values]]
-
-
-# ---------------------------------------------------------------------------------- acceptance
-def tau_from_records(records: Iterable[_Record]) -> float | None:
-    """Tokens committed per verification, pooled over `records` (None without a step)."""
-    committed, steps = _committed_and_steps(records)
-    return committed / steps if steps else None
-
-
-def _committed_and_steps(records: Iterable[_Record]) -> tuple[int, int]:
-    committed = steps = 0
-    for record in records:
-        committed += len(record.committed)
-        steps += 1
-    return committed, steps
-
-
-def per_depth_acceptance(
-    accept_lengths: Sequence[int], depths: Sequence[int] | int
-) -> list[float | None]:
-    """alpha_j = P(draft j accepted | drafts 1..j-1 accepted), j = 1..max depth.
-
-    A step with `a` accepted drafts and a tree of depth `D` was at risk at depth j when
-    a >= j - 1 and j <= D, and accepted there when a >= j. `depths` is one depth for all steps
-    or one per step (dynamic trees may be shallower on some steps). None where no step was at
-    risk at that depth.
-    """
-    if isinstance(depths, int):
-        depths = [depths] * len(accept_lengths)
-    if len(depths) != len(accept_lengths):
-        raise ValueError("need one tree depth per step")
-    max_depth = max(depths, default=0)
-    alpha: list[float | None] = []
-    for depth in range(1, max_depth + 1):
-        at_risk = accepted = 0
-        for length, tree_depth in zip(accept_lengths, depths, strict=True):
-            if length > tree_depth:
-                raise ValueError(f"accepted {length} drafts from a tree of depth {tree_depth}")
-            if depth <= tree_depth and length >= depth - 1:
-                at_risk += 1
-                accepted += int(length >= depth)
-        alpha.append(accepted / at_risk if at_risk else None)
-    return alpha
-
-
-def alpha_from_records(records: Iterable[Any]) -> list[float | None]:
-    """`per_depth_acceptance` of decoder step records (their accepted length and tree depth)."""
-    records = list(records)
-    return per_depth_acceptance(
-        [int(record.accept_length) for record in records],
-        [int(record.tree.max_depth) for record in records],
-    )
 
 
 def tau_summary(

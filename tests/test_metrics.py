@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from lightning_spec import metrics, stats
 from lightning_spec.decoding.engine import StepRecord
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.metrics import AcceptanceLength, PerDepthAcceptance, attempted_depth
@@ -66,6 +67,48 @@ def test_alpha_counts_only_depths_the_accepted_branch_offered() -> None:
     alpha = metric.compute()
     assert alpha[:2].tolist() == [1.0, 0.0]  # depth 2: one attempt, rejected
     assert all(math.isnan(v) for v in alpha[2:].tolist())  # never attempted
+
+
+def test_dynamic_tree_that_stops_short_is_not_a_rejection() -> None:
+    """The example on which the two old definitions of alpha disagreed.
+
+    One dynamic tree (tree depth 3): root -> node 0 (a leaf) and node 1; node 1 -> node 2;
+    node 2 -> node 3. Four steps:
+        A accepts [0]     a=1, node 0 has no child: depth 2 not attempted (attempted 1)
+        B accepts [1, 2]  a=2, node 2 has a child, rejected at depth 3  (attempted 3)
+        C accepts []      a=0, rejected at depth 1                       (attempted 1)
+        D accepts [1]     a=1, node 1 has a child, rejected at depth 2  (attempted 2)
+    alpha_1 = 3/4 (A, B, D of 4); alpha_2 = 1/2 (B of B, D); alpha_3 = 0/1 (B).
+    Bounding each step by the tree's depth (the old `stats.per_depth_acceptance` of
+    `tree.max_depth`, used by the bench) counted A as a rejection at depth 2: alpha_2 = 1/3.
+    """
+    parents = [-1, -1, 1, 2]
+    records = [
+        _record(parents, accepted=[0], committed=[7, 8]),
+        _record(parents, accepted=[1, 2], committed=[7, 8, 9]),
+        _record(parents, accepted=[], committed=[7]),
+        _record(parents, accepted=[1], committed=[7, 8]),
+    ]
+    assert [attempted_depth(r) for r in records] == [1, 3, 1, 2]
+    expected = [3 / 4, 1 / 2, 0.0]
+    assert metrics.alpha_from_records(records) == pytest.approx(expected)
+    assert stats.alpha_from_records(records) == pytest.approx(expected)  # the same function
+    metric = PerDepthAcceptance(max_depth=3)
+    metric.update_from_records(records)
+    assert metric.compute().tolist() == pytest.approx(expected)
+    # the bench's path: accepted lengths and attempted depths per step, pooled over prompts
+    lengths = [metrics.accepted_length(r) for r in records]
+    attempted = [attempted_depth(r) for r in records]
+    assert stats.per_depth_acceptance(lengths, attempted) == pytest.approx(expected)
+    # the old bound (tree depth) on the same steps: A becomes a rejection at depth 2
+    tree_depths = [r.tree.max_depth for r in records]
+    assert tree_depths == [3, 3, 3, 3]
+    assert metrics.per_depth_acceptance(lengths, tree_depths) == pytest.approx([3 / 4, 1 / 3, 0.0])
+    # tau is the same everywhere: (2 + 3 + 1 + 2) / 4
+    assert metrics.tau_from_records(records) == pytest.approx(2.0)
+    tau = AcceptanceLength()
+    tau.update_from_records(records)
+    assert float(tau.compute()) == pytest.approx(2.0)
 
 
 def test_depths_beyond_max_are_ignored_and_bad_input_rejected() -> None:

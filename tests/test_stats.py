@@ -11,8 +11,11 @@ from lightning_spec import stats
 
 
 def _record(accepted: int, committed: int, depth: int) -> SimpleNamespace:
+    """A step on a chain of `depth` drafts that accepted the first `accepted`."""
     return SimpleNamespace(
-        accept_length=accepted, committed=[0] * committed, tree=SimpleNamespace(max_depth=depth)
+        accepted=list(range(accepted)),
+        committed=[0] * committed,
+        tree=SimpleNamespace(parents=list(range(-1, depth - 1)), max_depth=depth),
     )
 
 
