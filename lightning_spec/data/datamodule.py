@@ -3,16 +3,19 @@
 Modes (ARCHITECTURE.md, Data):
 
 * ``dataset``: the dataset's own assistant answers, rendered with the target's chat template;
-  features and soft labels come from the frozen target inside the training step (online).
-  ``online`` is an alias.
+  features and soft labels come from the frozen target inside the training step (or from the
+  feature cache). This mode was once also called ``online``; that name now belongs to
+  OnlineSpec's online learning and is refused here.
 * ``regenerated``: the target's own answers to the dataset prompts (first user turn),
   regenerated once with batched ``generate`` and cached as token shards; optional cached
   features (``feature_cache_bytes``).
 * ``mixture``: each training conversation is served once per epoch, as its regenerated
   version with probability ``regenerated_fraction`` (drawn per epoch from the seed) and as
   the dataset version otherwise, so the data budget equals the other modes'.
-* ``on_policy``: reserved; on-policy rollouts come from the objective's own
-  SpeculativeDecoder (records with ``source="rollout"``, see ``rollouts.record_from_generation``).
+* ``on_policy``: rollouts of the *current* drafter under real verification (a
+  `RolloutSource`, by default our `SpeculativeDecoder`), for ``rollout_prompts`` training
+  prompts, kept in a checkpointed buffer and refreshed every N optimizer steps by the
+  `RefreshRollouts` callback (``data/on_policy.py``); batches also carry the collated steps.
 
 Rendered dataset records are cached as shards too (rendering ShareGPT costs ~25 ms per
 conversation on a busy CPU core), so every mode reads a :class:`RolloutStore`. The
@@ -44,11 +47,12 @@ import torch
 from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
+from lightning_spec.data.on_policy import OnPolicyBuffer, OnPolicyTable, collate_steps
 from lightning_spec.data.rollouts import RolloutRecord, RolloutStore, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 
-MODES = ("dataset", "online", "regenerated", "mixture", "on_policy")
+MODES = ("dataset", "regenerated", "mixture", "on_policy")
 Entry = tuple[RolloutRecord, Tensor | None, Tensor | None, Tensor | None]
 """A record with its cached features [T, F], final hidden states [T, H] and target argmax [T]
 (None if absent)."""
@@ -386,9 +390,10 @@ class RolloutDataModule(pl.LightningDataModule):
             or a ``.gguf`` file); its tokenizer renders the data and it regenerates answers.
         dataset: Training conversations: ``sharegpt``, ``mtbench``, ``humaneval`` or a
             ``.jsonl``/``.json`` path (anything ``load_source`` accepts).
-        mode: ``dataset`` (the dataset's answers, features online; ``online`` is an alias),
-            ``regenerated`` (the target's own answers, cached as shards) or ``mixture``
-            (both, see ``regenerated_fraction``). ``on_policy`` is reserved.
+        mode: ``dataset`` (the dataset's answers, features computed in the training step or
+            cached), ``regenerated`` (the target's own answers, cached as shards), ``mixture``
+            (both, see ``regenerated_fraction``) or ``on_policy`` (the current drafter's
+            rollouts, refreshed by the ``RefreshRollouts`` callback).
         regenerated_fraction: In ``mixture`` mode, the probability that a conversation is served
             in its regenerated version in a given epoch (else its dataset version).
         cache_dir: Where shards go (``<cache_dir>/dataset``, ``<cache_dir>/regenerated``).
@@ -413,6 +418,12 @@ class RolloutDataModule(pl.LightningDataModule):
         records_per_shard: Records per shard file (the resume granularity).
         bucket_batches: Batches per length bucket (larger = less padding, less randomness).
         progress: Show progress bars while rendering and regenerating.
+        rollout_prompts: ``on_policy``: training prompts rolled out per refresh (the buffer
+            size; prompts rotate through the training split, sharded over ranks).
+        rollout_max_new_tokens: ``on_policy``: tokens decoded per rollout.
+        rollout_tree: ``on_policy``: tree policy of the rollouts (``chain:4``, ``dynamic:...``).
+        rollout_temperature: ``on_policy``: 0 = greedy rollouts, > 0 = sampled.
+        rollout_target_rows: ``on_policy``: top-k target log-probs kept per tried row (0 = none).
     """
 
     def __init__(
@@ -438,18 +449,22 @@ class RolloutDataModule(pl.LightningDataModule):
         records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
         bucket_batches: int = 32,
         progress: bool = True,
+        rollout_prompts: int = 32,
+        rollout_max_new_tokens: int = 64,
+        rollout_tree: str = "chain:4",
+        rollout_temperature: float = 0.0,
+        rollout_target_rows: int = 0,
     ) -> None:
         super().__init__()
+        if mode == "online":
+            raise ValueError(
+                "mode 'online' was renamed 'dataset' (the dataset's answers, target features "
+                "computed in the training step); 'online' now means OnlineSpec's online learning"
+            )
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if mode == "on_policy":
-            raise NotImplementedError(
-                "mode='on_policy' is not served by RolloutDataModule yet: on-policy rollouts come "
-                "from the objective's own SpeculativeDecoder with the current drafter (records "
-                "with source='rollout' and serialized StepRecords, see "
-                "lightning_spec.data.rollouts.record_from_generation). Use mode='dataset', "
-                "'regenerated' or 'mixture' here."
-            )
+        if rollout_prompts < 1 or rollout_max_new_tokens < 1:
+            raise ValueError("rollout_prompts and rollout_max_new_tokens must be >= 1")
         if not 0.0 <= regenerated_fraction <= 1.0:
             raise ValueError("regenerated_fraction must be in [0, 1]")
         if not 0.0 <= val_fraction < 1.0:
@@ -461,7 +476,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.target = target
         self.dataset = dataset
-        self.mode = "dataset" if mode == "online" else mode
+        self.mode = mode
         self.regenerated_fraction = regenerated_fraction
         self.cache_dir = cache_dir
         self.max_length = max_length
@@ -480,6 +495,14 @@ class RolloutDataModule(pl.LightningDataModule):
         self.records_per_shard = records_per_shard
         self.bucket_batches = bucket_batches
         self.progress = progress
+        self.rollout_prompts = rollout_prompts
+        self.rollout_max_new_tokens = rollout_max_new_tokens
+        self.rollout_tree = rollout_tree
+        self.rollout_temperature = rollout_temperature
+        self.rollout_target_rows = rollout_target_rows
+        self.buffer = OnPolicyBuffer(rollout_prompts)
+        self.rollout_source: Any = None
+        self._prompts: list[list[int]] = []
         self._tokenizer: Any = None
         self._target_model: Any = None
         self._target_id = str(target)
@@ -544,10 +567,13 @@ class RolloutDataModule(pl.LightningDataModule):
         return int(pad) if isinstance(pad, int) else 0
 
     def _needs_target(self) -> bool:
-        return self.mode in ("regenerated", "mixture") or self.feature_cache_bytes > 0
+        return (
+            self.mode in ("regenerated", "mixture", "on_policy") or self.feature_cache_bytes > 0
+        )
 
     def _kinds(self) -> list[str]:
-        return {"dataset": ["dataset"], "regenerated": ["regenerated"]}.get(
+        """The stores a mode reads (on_policy: the rendered dataset, for its prompts)."""
+        return {"dataset": ["dataset"], "regenerated": ["regenerated"], "on_policy": ["dataset"]}.get(
             self.mode, ["dataset", "regenerated"]
         )
 
@@ -845,6 +871,16 @@ class RolloutDataModule(pl.LightningDataModule):
         train_ids, val_ids = split_ids(all_ids, self.val_fraction)
         self._train, self._train_plan = self._table(by_kind, train_ids, train=True)
         self._val, self._val_plan = self._table(by_kind, val_ids, train=False)
+        if self.mode == "on_policy":
+            # train prompts (the text before each first assistant token), this rank's share;
+            # the dataset answers themselves are not trained on, the rollouts are
+            rank, world_size = self._world()
+            prompts = [_prompt_of(self._train, i) for i in range(len(self._train))]
+            self._prompts = [p for i, p in enumerate(prompts) if p and i % world_size == rank]
+            if not self._prompts:
+                raise RuntimeError(f"no training prompts for on-policy rollouts in {self.dataset!r}")
+            self._train = OnPolicyTable(self.buffer)  # type: ignore[assignment]
+            self._train_plan = EpochPlan(len(self._train))
         if len(self._train) == 0:
             raise RuntimeError(
                 f"no training records for mode={self.mode!r} from {self.dataset!r} "
@@ -903,6 +939,33 @@ class RolloutDataModule(pl.LightningDataModule):
             return ResumableDataLoader(table, owner=self, **kwargs)
         return DataLoader(table, **kwargs)
 
+    # ------------------------------------------------------------------ on-policy rollouts
+    def refresh_rollouts(self, drafter: Any, *, step: int = 0, version: str | None = None) -> None:
+        """Replace the on-policy buffer with rollouts of `drafter` (refresh number r takes the
+        next `rollout_prompts` training prompts, cycling). Called by `RefreshRollouts`."""
+        if self.mode != "on_policy":
+            raise RuntimeError(f"refresh_rollouts needs mode='on_policy', not {self.mode!r}")
+        if self._train is None:
+            self.setup("fit")
+        if self.rollout_source is None:
+            from lightning_spec.decoding.source import DecoderRolloutSource
+
+            self.rollout_source = DecoderRolloutSource(
+                self.target_model,
+                tree=self.rollout_tree,
+                max_new_tokens=self.rollout_max_new_tokens,
+                temperature=self.rollout_temperature,
+                seed=self.seed,
+                keep_target_rows=self.rollout_target_rows,
+            )
+        start = self.buffer.refreshes * self.rollout_prompts
+        prompts = [
+            self._prompts[(start + i) % len(self._prompts)] for i in range(self.rollout_prompts)
+        ]
+        version = version or f"step-{step}"
+        generations = self.rollout_source.generate(drafter, prompts, version=version)
+        self.buffer.replace(generations, version=version, step=step, max_length=self.max_length)
+
     def train_dataloader(self) -> DataLoader:
         if self._train is None:
             self.setup("fit")
@@ -946,7 +1009,10 @@ class RolloutDataModule(pl.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Where training stands in the data order (saved in Lightning checkpoints)."""
         epoch, batches = self._train_position()
-        return {"epoch": epoch, "batches_consumed": batches, "seed": self.seed, "mode": self.mode}
+        state = {"epoch": epoch, "batches_consumed": batches, "seed": self.seed, "mode": self.mode}
+        if self.mode == "on_policy":
+            state["on_policy"] = self.buffer.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue the saved epoch after its consumed batches (no replay, no skip)."""
@@ -960,6 +1026,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self._position.resume_batches = int(state_dict.get("batches_consumed", 0))
         self._position.epoch = self._position.resume_epoch
         self._position.drawn = self._position.resume_batches
+        if self.mode == "on_policy" and "on_policy" in state_dict:
+            self.buffer.load_state_dict(state_dict["on_policy"])
 
 
 class ResumableDataLoader(DataLoader):
@@ -985,4 +1053,15 @@ class _Collate:
         self.pad_id = pad_id
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return collate_records(rows, self.pad_id)
+        batch = collate_records(rows, self.pad_id)
+        if any("steps" in row for row in rows):
+            batch.update(collate_steps(rows))
+        return batch
+
+
+def _prompt_of(table: RecordTable, index: int) -> list[int]:
+    """The tokens before a record's first loss token (its prompt), [] if it has none."""
+    row = table[index]
+    mask = row["loss_mask"]
+    first = int(mask.nonzero()[0, 0]) if bool(mask.any()) else 0
+    return row["input_ids"][:first].tolist()

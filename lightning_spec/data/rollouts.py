@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 CACHED_FIELDS = ("features", "last_hidden", "target_argmax")
 """What a feature-cache shard file can hold per record (see ``RolloutStore.write_features``)."""
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: StepRecord v2 (bonus_committed, drafter_version; sparse target rows in a sidecar)."""
 MANIFEST = "manifest.json"
 SHARD_FORMATS = ("jsonl", "jsonl.gz", "safetensors")
 SOURCES = ("dataset", "regenerated", "rollout")
@@ -124,16 +125,30 @@ class RolloutRecord:
             raise ValueError(f"a rollout record needs the key {exc.args[0]!r}") from None
 
     def truncated(self, max_length: int | None) -> RolloutRecord:
-        """The first ``max_length`` tokens (the beginning is kept, as for the dataset)."""
+        """The first ``max_length`` tokens (the beginning is kept, as for the dataset).
+
+        Steps beyond the cut are dropped and the step that straddles it is cut with its
+        committed tokens (`StepRecord.cut`), so steps always describe the kept tokens.
+        """
         if max_length is None or len(self) <= max_length:
             return self
+        steps = None
+        if self.steps is not None:
+            steps = []
+            for data in self.steps:
+                room = max_length - 1 - int(data["anchor"])  # tokens after the root that fit
+                if room < 1:
+                    break
+                if room < len(data["committed"]):
+                    data = step_record_to_dict(step_record_from_dict(data).cut(room))
+                steps.append(data)
         return RolloutRecord(
             self.id,
             self.input_ids[:max_length],
             self.loss_mask[:max_length],
             self.source,
             self.meta,
-            self.steps,
+            steps,
         )
 
     def step_records(self) -> list[StepRecord]:
@@ -173,6 +188,8 @@ def step_record_to_dict(record: StepRecord, *, include_probs: bool = False) -> d
         "committed": [int(t) for t in record.committed],
         "temperature": float(record.temperature),
         "timings": {k: float(v) for k, v in record.timings.items()},
+        "bonus_committed": bool(record.bonus_committed),
+        "drafter_version": record.drafter_version,
     }
     if include_probs:
         if tree.draft_probs is not None:
@@ -212,7 +229,54 @@ def step_record_from_dict(data: Mapping[str, Any]) -> StepRecord:
         temperature=float(data.get("temperature", 0.0)),
         target_probs=None if target_probs is None else torch.tensor(target_probs),
         timings=dict(data.get("timings", {})),
+        bonus_committed=bool(data.get("bonus_committed", True)),
+        drafter_version=data.get("drafter_version"),
     )
+
+
+def step_rows_tensors(records: Sequence[StepRecord]) -> dict[str, Tensor]:
+    """The sparse target rows of `records` as flat tensors for a safetensors sidecar
+    (``{i}.rows``, ``{i}.logprobs``, ``{i}.ids``, ``{i}.logsumexp`` for step i), not JSON
+    float lists; steps without rows are absent."""
+    out: dict[str, Tensor] = {}
+    for index, record in enumerate(records):
+        rows = record.target_rows
+        if rows is None:
+            continue
+        out[f"{index}.rows"] = rows.rows.long().contiguous()
+        out[f"{index}.logprobs"] = rows.logprobs.float().contiguous()
+        out[f"{index}.ids"] = rows.ids.long().contiguous()
+        out[f"{index}.logsumexp"] = rows.logsumexp.float().contiguous()
+    return out
+
+
+def attach_step_rows(records: Sequence[StepRecord], tensors: Mapping[str, Tensor]) -> None:
+    """Inverse of :func:`step_rows_tensors`: set ``target_rows`` of the listed steps."""
+    from lightning_spec.decoding.engine import SparseRows
+
+    for index, record in enumerate(records):
+        if f"{index}.rows" in tensors:
+            record.target_rows = SparseRows(
+                tensors[f"{index}.rows"],
+                tensors[f"{index}.logprobs"],
+                tensors[f"{index}.ids"],
+                tensors[f"{index}.logsumexp"],
+            )
+
+
+def save_step_rows(path: str | Path, records: Sequence[StepRecord]) -> None:
+    """Write the sparse target rows of `records` to a safetensors sidecar (atomically)."""
+    from safetensors.torch import save
+
+    with atomic_write(Path(path), "wb") as handle:
+        handle.write(save(step_rows_tensors(records)))
+
+
+def load_step_rows(path: str | Path, records: Sequence[StepRecord]) -> None:
+    """Read a sidecar written by :func:`save_step_rows` into `records`."""
+    from safetensors.torch import load_file
+
+    attach_step_rows(records, load_file(str(path)))
 
 
 def record_from_generation(

@@ -199,11 +199,7 @@ def test_mixture_serves_each_conversation_once_per_epoch(
     assert all(0.2 < c < 0.8 for c in counts[0.5])
 
 
-def test_online_is_dataset_and_on_policy_is_reserved(chat_tokenizer) -> None:
-    module = RolloutDataModule.from_objects(tokenizer=chat_tokenizer, mode="online")
-    assert module.mode == "dataset"
-    with pytest.raises(NotImplementedError, match="SpeculativeDecoder"):
-        RolloutDataModule(mode="on_policy")
+def test_unknown_modes_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown mode"):
         RolloutDataModule(mode="offline")
 

@@ -1,0 +1,189 @@
+"""On-policy data: the rollout buffer that `RolloutDataModule(mode="on_policy")` trains on.
+
+The buffer holds the latest rollouts of the current drafter (records with ``source="rollout"``
+and their StepRecords). A refresh (every N optimizer steps, driven by the
+`lightning_spec.callbacks.on_policy.RefreshRollouts` callback or by an objective) replaces them
+with new rollouts from a `RolloutSource`; the buffer goes into Lightning checkpoints (through
+the data module's ``state_dict``), so a resumed run continues with the very same buffer.
+The number of records is fixed (one per prompt of a refresh), so the sampler's epoch length
+never changes under a refresh.
+
+Batches carry the usual keys (``input_ids``, ``attention_mask``, ``loss_mask``...) plus the
+collated steps (`collate_steps`), the fields Draft-OPD and on-policy objectives read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from lightning_spec.data.rollouts import (
+    RolloutRecord,
+    attach_step_rows,
+    record_from_generation,
+    step_rows_tensors,
+)
+
+__all__ = ["OnPolicyBuffer", "OnPolicyTable", "collate_steps"]
+
+STEP_KEYS = (
+    "step_mask",
+    "step_anchor",
+    "step_depth",
+    "step_accept_length",
+    "step_committed",
+    "step_bonus",
+    "rejected_mask",
+    "rejected_tokens",
+    "rejected_depth",
+    "rejected_target_logprobs",
+    "rejected_draft_logprobs",
+)
+"""Batch keys `collate_steps` adds (see its docstring for shapes)."""
+
+
+class OnPolicyBuffer:
+    """The current rollouts (see the module docstring)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("an on-policy buffer needs at least one prompt per refresh")
+        self.size = int(size)
+        self.records: list[RolloutRecord] = []
+        self.refreshes = 0
+        self.version: str | None = None
+        self.refreshed_at_step: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def replace(self, generations: Sequence[Any], *, version: str, step: int, max_length: int) -> None:
+        """New rollouts (one `Generation` per prompt) made by drafter `version` at `step`."""
+        if len(generations) != self.size:
+            raise ValueError(f"a refresh must bring {self.size} rollouts, got {len(generations)}")
+        records = []
+        for index, generation in enumerate(generations):
+            record = record_from_generation(
+                f"rollout-{self.refreshes}-{index}", generation, meta={"drafter_version": version}
+            )
+            rows = step_rows_tensors(generation.records)
+            if rows:
+                record.meta["step_rows"] = rows
+            records.append(record.truncated(max_length))
+        self.records = records
+        self.refreshes += 1
+        self.version = version
+        self.refreshed_at_step = int(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "records": [r.to_dict() for r in self.records],
+            "refreshes": self.refreshes,
+            "version": self.version,
+            "refreshed_at_step": self.refreshed_at_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state.get("size", self.size)) != self.size:
+            raise ValueError(
+                f"the checkpoint's on-policy buffer holds {state.get('size')} rollouts per "
+                f"refresh, this run {self.size}: resume with the same rollout_prompts"
+            )
+        self.records = [RolloutRecord.from_dict(r) for r in state.get("records", [])]
+        self.refreshes = int(state.get("refreshes", 0))
+        self.version = state.get("version")
+        self.refreshed_at_step = state.get("refreshed_at_step")
+
+
+class OnPolicyTable(Dataset):
+    """A map-style view of the buffer: item i is the buffer's record i at the time it is read."""
+
+    def __init__(self, buffer: OnPolicyBuffer) -> None:
+        self.buffer = buffer
+
+    def __len__(self) -> int:
+        return self.buffer.size
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Uniform lengths: the order must not depend on the buffer's contents (which change at
+        every refresh and are restored later than the sampler is built on resume)."""
+        return np.ones(self.buffer.size, dtype=np.int64)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if len(self.buffer) < self.buffer.size:
+            raise RuntimeError(
+                "the on-policy buffer is empty: add the lightning_spec.callbacks.on_policy."
+                "RefreshRollouts callback (or call RolloutDataModule.refresh_rollouts) so "
+                "rollouts exist before the first batch"
+            )
+        record = self.buffer.records[index]
+        steps = record.step_records()
+        rows = record.meta.get("step_rows")
+        if rows:
+            attach_step_rows(steps, rows)
+        return {
+            "id": record.id,
+            "source": record.source,
+            "input_ids": torch.tensor(record.input_ids, dtype=torch.long),
+            "loss_mask": torch.tensor(record.loss_mask, dtype=torch.long),
+            "features": None,
+            "last_hidden": None,
+            "target_argmax": None,
+            "steps": steps,
+        }
+
+
+def collate_steps(rows: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
+    """The StepRecords of a batch as padded tensors ([B, S] per step, [B, S, R] per rejected
+    node; S = most steps in a row, R = most rejected nodes in a step):
+
+    ``step_mask`` (real steps), ``step_anchor`` (root position), ``step_depth`` (deepest
+    drafted node), ``step_accept_length``, ``step_committed`` (tokens committed),
+    ``step_bonus`` (committed[-1] is the target's bonus token); ``rejected_mask``,
+    ``rejected_tokens``, ``rejected_depth`` (block position k of the rejected draft),
+    ``rejected_target_logprobs`` (log p_target of the rejected token at its slot) and
+    ``rejected_draft_logprobs`` (log q at drafting time). Tried-and-rejected nodes only
+    (StepRecord v2), so nodes verification never reached are not counted as errors.
+    """
+    steps = [row.get("steps") or [] for row in rows]
+    batch, width = len(rows), max((len(s) for s in steps), default=0)
+    rejected = [[step.rejected for step in row] for row in steps]
+    depth_r = max((int(r.numel()) for row in rejected for r in row), default=0)
+    out = {
+        "step_mask": torch.zeros(batch, width, dtype=torch.bool),
+        "step_anchor": torch.full((batch, width), -1, dtype=torch.long),
+        "step_depth": torch.zeros(batch, width, dtype=torch.long),
+        "step_accept_length": torch.zeros(batch, width, dtype=torch.long),
+        "step_committed": torch.zeros(batch, width, dtype=torch.long),
+        "step_bonus": torch.zeros(batch, width, dtype=torch.bool),
+        "rejected_mask": torch.zeros(batch, width, depth_r, dtype=torch.bool),
+        "rejected_tokens": torch.full((batch, width, depth_r), -1, dtype=torch.long),
+        "rejected_depth": torch.zeros(batch, width, depth_r, dtype=torch.long),
+        "rejected_target_logprobs": torch.zeros(batch, width, depth_r),
+        "rejected_draft_logprobs": torch.zeros(batch, width, depth_r),
+    }
+    for b, row in enumerate(steps):
+        for s, step in enumerate(row):
+            out["step_mask"][b, s] = True
+            out["step_anchor"][b, s] = step.anchor
+            out["step_depth"][b, s] = step.tree.max_depth
+            out["step_accept_length"][b, s] = step.accept_length
+            out["step_committed"][b, s] = len(step.committed)
+            out["step_bonus"][b, s] = step.bonus_committed
+            nodes = rejected[b][s]
+            count = int(nodes.numel())
+            if count:
+                out["rejected_mask"][b, s, :count] = True
+                out["rejected_tokens"][b, s, :count] = step.tree.tokens[nodes]
+                out["rejected_depth"][b, s, :count] = step.tree.depth[nodes]
+                out["rejected_target_logprobs"][b, s, :count] = step.target_token_logprobs[nodes]
+                out["rejected_draft_logprobs"][b, s, :count] = step.tree.logprobs[nodes]
+    return out
+
