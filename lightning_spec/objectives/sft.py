@@ -42,26 +42,23 @@ vocabulary, so at step 0 it estimates the greedy acceptance rate of the first dr
 
 from __future__ import annotations
 
-import contextvars
 import hashlib
 import logging
-import math
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_spec.models.drafters.base import Drafter, DrafterOutput, load_drafter
+from lightning_spec.models.drafters.base import Drafter, DrafterOutput
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
-from lightning_spec.models.target import TargetModel, load_target
+from lightning_spec.models.target import TargetModel
 from lightning_spec.models.vocab import draft_to_target_ids
 from lightning_spec.objectives import losses
+from lightning_spec.objectives.base import Objective, WarmupCosine
 
 log = logging.getLogger(__name__)
 
@@ -244,28 +241,8 @@ def eagle_ttt_losses(
 
 
 # --------------------------------------------------------------------------------------------
-# Learning-rate schedule and draft vocabulary
+# Draft vocabulary (the learning-rate schedule, `WarmupCosine`, is objectives/base.py's)
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class WarmupCosine:
-    """LambdaLR factor: linear warmup to 1, then cosine decay to `floor` at `total` steps.
-
-    A plain callable object (not a closure) so LambdaLR can save and restore it.
-    """
-
-    warmup: int
-    total: float
-    floor: float = 0.1
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        if not math.isfinite(self.total) or self.total <= self.warmup:
-            return 1.0
-        progress = min(1.0, (step - self.warmup) / (self.total - self.warmup))
-        return self.floor + (1.0 - self.floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _slug(text: str) -> str:
@@ -287,9 +264,10 @@ def draft_token_counts(
     The draft vocabulary must cover what the target SAYS in the chat format it is served with,
     hence assistant tokens only and the real template.
     """
-    from lightning_spec.data.assets import atomic_write, cache_root
+    from lightning_spec.data.assets import cache_root
     from lightning_spec.data.chat import render_conversation
     from lightning_spec.data.sources import load_source
+    from lightning_spec.io import atomic_write
 
     if target.tokenizer is None:
         raise ValueError(
@@ -322,22 +300,15 @@ def draft_token_counts(
 # The LightningModule
 # --------------------------------------------------------------------------------------------
 
-_PREBUILT: contextvars.ContextVar[tuple[TargetModel, Drafter] | None] = contextvars.ContextVar(
-    "eagle_sft_prebuilt", default=None
-)
 
+class EagleSFT(Objective):
+    """EAGLE-3 drafter training against a frozen target with the training-time test.
 
-@contextmanager
-def _prebuilt(target: TargetModel, drafter: Drafter) -> Iterator[None]:
-    token = _PREBUILT.set((target, drafter))
-    try:
-        yield
-    finally:
-        _PREBUILT.reset(token)
+    Target, drafter, optimizer, schedule, non-finite guard and checkpoints: `Objective`.
+    """
 
-
-class EagleSFT(LightningModule):
-    """EAGLE-3 drafter training against a frozen target with the training-time test."""
+    required_batch_keys: ClassVar[frozenset[str]] = frozenset({"input_ids", "loss_mask"})
+    checkpoint_key: ClassVar[str] = "eagle_sft"
 
     def __init__(
         self,
@@ -384,34 +355,22 @@ class EagleSFT(LightningModule):
             cache_dir: Asset cache root (data and the draft-vocabulary counts); None uses
                 $LIGHTNING_SPEC_CACHE or the user cache.
         """
-        super().__init__()
-        self.save_hyperparameters()
-        prebuilt = _PREBUILT.get()
-        if prebuilt is not None:
-            target_model, drafter = prebuilt
-        else:
-            target_model = load_target(target, dtype=target_dtype)
-            drafter = self._build_drafter(target_model)
-        _check_pair(target_model, drafter)
-        self.target = target_model.eval()  # frozen: TargetModel.train() keeps it in eval mode
-        self.drafter = drafter.float()
-        self.drafter.train()
-        self._nonfinite_total = 0
-        self._nonfinite_consecutive = 0
-        self._skip_update = False
+        super().__init__(
+            target=target,
+            target_dtype=target_dtype,
+            drafter_init=drafter_init,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            max_steps_for_schedule=max_steps_for_schedule,
+            max_consecutive_nonfinite=max_consecutive_nonfinite,
+        )
         self._tokens_seen = 0
 
-    @classmethod
-    def from_objects(cls, target: TargetModel, drafter: Drafter, **hparams: Any) -> EagleSFT:
-        """Wrap an already built target and drafter (tests, notebooks); `hparams` as __init__."""
-        hparams.setdefault("target", target.name)
-        with _prebuilt(target, drafter):
-            return cls(**hparams)
-
-    def _build_drafter(self, target: TargetModel) -> Drafter:
+    def build_drafter(self, target: TargetModel) -> Drafter:
+        """A fresh EAGLE-3 head with a draft vocabulary counted on `vocab_source`."""
         hp = self.hparams
-        if hp.drafter_init:
-            return load_drafter(hp.drafter_init, device=target.device)
         counts = None
         draft_vocab = min(int(hp.draft_vocab_size), target.vocab_size)
         if draft_vocab < target.vocab_size:
@@ -493,34 +452,14 @@ class EagleSFT(LightningModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         result = self._common_step(batch)
-        nonfinite = not bool(torch.isfinite(result.loss))
-        nonfinite = self.trainer.strategy.reduce_boolean_decision(nonfinite, all=False)
-        if nonfinite:
-            self._nonfinite_total += 1
-            self._nonfinite_consecutive += 1
-            log.warning(
-                "non-finite loss at step %d: skipping the update (%d in a row, %d in all)",
-                self.global_step,
-                self._nonfinite_consecutive,
-                self._nonfinite_total,
-            )
-            if self._nonfinite_consecutive >= int(self.hparams.max_consecutive_nonfinite):
-                raise FloatingPointError(
-                    f"{self._nonfinite_consecutive} consecutive non-finite losses: stopping "
-                    "(lower the learning rate, check the data, or use bf16-mixed not fp16)"
-                )
-            self._skip_update = True
-            self.log("train/skipped_nonfinite", float(self._nonfinite_total))
-            # A zero loss connected to every trainable parameter keeps DDP's gradient
-            # all-reduce in step on all ranks; `optimizer_step` then drops the gradients.
-            return sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0.0
-        self._nonfinite_consecutive = 0
+        skipped = self.skip_nonfinite(result.loss)
+        if skipped is not None:
+            return skipped
         tokens = torch.tensor(float(result.tokens), device=self.device)
         self._tokens_seen += int(self.trainer.strategy.reduce(tokens, reduce_op="sum").item())
         self.log("train/loss", result.loss.detach(), prog_bar=True)
         self._log_steps("train", result)
         self.log("train/tokens", float(self._tokens_seen))
-        self.log("train/skipped_nonfinite", float(self._nonfinite_total))
         schedulers = self.lr_schedulers()
         if schedulers is not None:
             scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
@@ -533,81 +472,10 @@ class EagleSFT(LightningModule):
         self.log("val/loss", result.loss, batch_size=size, sync_dist=True, prog_bar=True)
         self._log_steps("val", result, sync_dist=True)
 
-    def optimizer_step(
-        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
-    ) -> None:
-        """The default step, except that a step whose loss was non-finite changes nothing."""
-
-        def closure() -> Any:
-            result = optimizer_closure()
-            if self._skip_update:
-                for group in optimizer.param_groups:
-                    for parameter in group["params"]:
-                        parameter.grad = None
-            return result
-
-        optimizer.step(closure=closure)
-        self._skip_update = False
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        decay, no_decay = [], []
-        for parameter in self.drafter.parameters():
-            if not parameter.requires_grad:
-                continue  # the embedding is shared with the target and frozen
-            (no_decay if parameter.dim() < 2 else decay).append(parameter)
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": float(hp.weight_decay)},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=float(hp.lr),
-            betas=tuple(float(b) for b in hp.betas),
-        )
-        total = hp.max_steps_for_schedule
-        if total is None:
-            total = float(self.trainer.estimated_stepping_batches)
-            if not math.isfinite(total):
-                log.warning("unknown number of training steps: constant learning rate after warmup")
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, WarmupCosine(warmup=max(1, int(hp.warmup_steps)), total=float(total))
-        )
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
-        }
-
     # ---------------------------------------------------------------------------- checkpoints
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Leave the frozen target out: it is reloaded from `target`, not from checkpoints."""
-        state = checkpoint.get("state_dict", {})
-        for key in [k for k in state if k.startswith("target.")]:
-            del state[key]
-        checkpoint["eagle_sft"] = {
-            "nonfinite_total": self._nonfinite_total,
-            "tokens_seen": self._tokens_seen,
-        }
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {**super().checkpoint_state(), "tokens_seen": self._tokens_seen}
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Put the live target's weights back so strict loading finds every key."""
-        state = checkpoint.setdefault("state_dict", {})
-        for key, value in self.target.state_dict(prefix="target.").items():
-            state.setdefault(key, value)
-        extra = checkpoint.get("eagle_sft", {})
-        self._nonfinite_total = int(extra.get("nonfinite_total", 0))
-        self._tokens_seen = int(extra.get("tokens_seen", 0))
-
-
-def _check_pair(target: TargetModel, drafter: Drafter) -> None:
-    """Fail early, with the reason, when a drafter was built for another target."""
-    if drafter.target_vocab_size != target.vocab_size:
-        raise ValueError(
-            f"drafter maps onto {drafter.target_vocab_size} tokens, the target has "
-            f"{target.vocab_size}: the drafter was built for another tokenizer"
-        )
-    fc = getattr(drafter, "fc", None)
-    if fc is not None and fc.in_features != target.feature_size:
-        raise ValueError(
-            f"drafter reads features of width {fc.in_features}, the target gives "
-            f"{target.feature_size} (layers {target.feature_layers}): wrong target?"
-        )
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        self._tokens_seen = int(state.get("tokens_seen", 0))
