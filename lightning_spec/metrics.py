@@ -14,7 +14,8 @@ work unchanged).
   one up to its length; a dynamic or static tree may end a branch early, and a step whose
   accepted path ends on such a leaf did not attempt the next depth: it is not a rejection
   there. (Bounding the attempt by the tree's overall depth instead counts it as one, which
-  underestimates alpha on trees; that was `stats.per_depth_acceptance` of tree depths.)
+  underestimates alpha on trees; that was `stats.per_depth_acceptance` of tree depths.) A
+  step cut by EOS or the token limit attempted nothing past the cut.
 
 Pure functions over records (`tau_from_records`, `attempted_depth`, `alpha_from_records`,
 `per_depth_acceptance`, `depth_counts`) and torchmetrics `Metric`s with summed states
@@ -64,9 +65,16 @@ def tau_from_records(records: Iterable[Any]) -> float | None:
 
 def attempted_depth(record: Any) -> int:
     """Deepest draft depth a step attempted: its accepted length, plus one when the tree has a
-    child of the last accepted node (of the root when nothing was accepted)."""
+    child of the last accepted node (of the root when nothing was accepted).
+
+    A step cut by EOS or the token limit (it committed no bonus token: `committed` is no longer
+    than `accepted`, both cut together) attempted nothing beyond the cut: what lies past it is
+    not part of the record (`StepRecord.cut`).
+    """
     parents = torch.as_tensor(record.tree.parents)
     accepted = accepted_length(record)
+    if len(record.committed) <= accepted:
+        return accepted
     last = int(record.accepted[-1]) if accepted else -1  # -1: the root
     return accepted + int(bool((parents == last).any()))
 

@@ -111,6 +111,16 @@ def test_dynamic_tree_that_stops_short_is_not_a_rejection() -> None:
     assert float(tau.compute()) == pytest.approx(2.0)
 
 
+def test_a_step_cut_by_the_token_limit_attempted_nothing_past_the_cut() -> None:
+    # chain of 4, all accepted by the target, but only 2 tokens fit under the limit: the
+    # record keeps 2 accepted drafts and no bonus (StepRecord.cut); depth 3 was not attempted.
+    cut = _record(list(range(-1, 3)), accepted=[0, 1], committed=[7, 8])
+    assert attempted_depth(cut) == 2
+    assert metrics.alpha_from_records([cut, _chain(4, 4)]) == pytest.approx([1.0] * 4)
+    eos_first = _record(list(range(-1, 3)), accepted=[0], committed=[2])  # EOS drafted first
+    assert attempted_depth(eos_first) == 1
+
+
 def test_depths_beyond_max_are_ignored_and_bad_input_rejected() -> None:
     metric = PerDepthAcceptance(max_depth=2)
     metric.update([5], [6])
