@@ -5,7 +5,7 @@ At `on_fit_end` (global rank 0 only) this callback takes the best drafter folder
 `model_name` in the trainer's MLflow run (the `MLFlowLogger`'s run and tracking URI; without
 one, a new run in a local SQLite store beside the run folder), with the tau that
 `AcceptanceEval` logged for that very checkpoint (same global step), then applies the
-promotion rule (`lightning_spec.promotion.promote`): the `champion` alias moves to it only when
+promotion rule (`lightning_spec.registry.promote`): the `champion` alias moves to it only when
 it beats the champion by more than `margin` on the same prompts, temperature and tree policy;
 otherwise it becomes `challenger`.
 
@@ -195,8 +195,13 @@ class RegisterDrafter(Callback):
 
     def register(self, trainer: Trainer, pl_module: LightningModule, folder: Path) -> Any:
         """Register `folder` and promote it; returns the `Decision` (also `self.decision`)."""
-        from lightning_spec.promotion import bench_measure, promote
-        from lightning_spec.registry import drafter_metadata, register_drafter, tau_key
+        from lightning_spec.registry import (
+            bench_measure,
+            drafter_metadata,
+            promote,
+            register_drafter,
+            tau_key,
+        )
 
         evaluator = self._find(trainer, AcceptanceEval)
         tree = self.tree or (evaluator.tree if evaluator else "chain:4")

@@ -17,4 +17,4 @@ fi
 .venv/bin/lightning-spec bench --drafter "$RUN/drafter/last" --dataset mtbench --limit 20 \
   --max-new-tokens 24 --tree "$TREE" --methods hf_generate,hf_prompt_lookup,speculative \
   --no-progress --output "$RUN/bench.json" > /dev/null
-.venv/bin/python -m lightning_spec.quickstart_report "$RUN" "$RUN/bench.json"
+.venv/bin/python -m lightning_spec.cli.quickstart_report "$RUN" "$RUN/bench.json"

@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_spec import bench
+from lightning_spec import specs
+from lightning_spec.bench import machine as bench_machine
+from lightning_spec.bench import report as bench_report
+from lightning_spec.bench import runner as bench_runner
+from lightning_spec.cli import bench as bench_cli
 from lightning_spec.decoding.engine import autoregressive_generate
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.drafters.standalone import StandaloneDrafter
@@ -49,7 +53,7 @@ def _prompts(count: int, seed: int = 0) -> list[tuple[list[int], dict]]:
 @pytest.fixture(scope="module")
 def self_result(target: TargetModel) -> dict:
     drafter = StandaloneDrafter.from_model(target.model)
-    return bench.run_bench(
+    return bench_runner.run_bench(
         target,
         drafter,
         "chain:3",
@@ -66,7 +70,7 @@ def test_self_drafter_is_lossless_and_commits_k_plus_one(self_result: dict) -> N
     # 4 methods x (overall + categories a and b)
     assert len(rows) == 12
     for row in rows:
-        assert all(key in row for key in bench.REQUIRED_ROW_KEYS)
+        assert all(key in row for key in bench_report.REQUIRED_ROW_KEYS)
         assert all(key in row for key in REQUIRED)
         assert row["mismatches"] == 0, row
     for entry in self_result["per_prompt"]:
@@ -123,7 +127,7 @@ def test_hf_baseline_ignores_the_model_generation_defaults(target: TargetModel) 
         do_sample=True, temperature=5.0, repetition_penalty=3.0, eos_token_id=reference[2]
     )
     try:
-        runner = bench._Runner(
+        runner = bench_runner._Runner(
             target, {}, None, max_new_tokens=10, temperature=0.0, seed=0, stop_on_eos=False,
             prompt_lookup_num_tokens=4, max_matching_ngram_size=2,
         )  # fmt: skip
@@ -135,7 +139,7 @@ def test_hf_baseline_ignores_the_model_generation_defaults(target: TargetModel) 
 
 def test_random_drafter_accepts_almost_nothing(target: TargetModel) -> None:
     drafter = Eagle3Drafter.from_target(target, seed=3)
-    result = bench.run_bench(
+    result = bench_runner.run_bench(
         target,
         drafter,
         "dynamic:3,3,8",
@@ -154,7 +158,7 @@ def test_random_drafter_accepts_almost_nothing(target: TargetModel) -> None:
 
 def test_sampling_marks_mismatches_not_applicable(target: TargetModel) -> None:
     drafter = StandaloneDrafter.from_model(target.model)
-    result = bench.run_bench(
+    result = bench_runner.run_bench(
         target,
         drafter,
         "chain:2",
@@ -172,7 +176,7 @@ def test_sampling_marks_mismatches_not_applicable(target: TargetModel) -> None:
 
 
 def test_outputs_json_and_markdown(self_result: dict, tmp_path: Path) -> None:
-    json_path, md_path = bench.write_outputs(self_result, tmp_path / "out" / "bench.json")
+    json_path, md_path = bench_report.write_outputs(self_result, tmp_path / "out" / "bench.json")
     loaded = json.loads(json_path.read_text())
     assert loaded["rows"] == self_result["rows"]
     assert md_path == tmp_path / "out" / "bench.md"
@@ -187,13 +191,13 @@ def test_mismatch_detail_reports_position_and_top2_gap(target: TargetModel) -> N
     reference = autoregressive_generate(target, prompt, 8, stop_on_eos=False)
     wrong = list(reference)
     wrong[3] = (wrong[3] + 1) % 128
-    detail = bench.mismatch_detail(target, prompt, reference, wrong)
+    detail = bench_runner.mismatch_detail(target, prompt, reference, wrong)
     assert detail["position"] == 3
     assert detail["expected"] == reference[3] and detail["got"] == wrong[3]
     assert detail["top2_tokens"][0] == reference[3]
     assert detail["top2_gap"] >= 0
-    assert bench.mismatch_detail(target, prompt, reference, list(reference)) is None
-    shorter = bench.mismatch_detail(target, prompt, reference, reference[:5])
+    assert bench_runner.mismatch_detail(target, prompt, reference, list(reference)) is None
+    shorter = bench_runner.mismatch_detail(target, prompt, reference, reference[:5])
     assert shorter["position"] == 5 and shorter["got"] is None
 
 
@@ -230,7 +234,7 @@ def test_summarize_on_hand_made_prompts() -> None:
         _entry(1, "a", 3.0, 1.0, near_tie),  # speedup 3
         _entry(2, "b", 1.0, 1.0),  # speedup 1
     ]
-    rows = bench.summarize(
+    rows = bench_report.summarize(
         per_prompt, ["autoregressive", "speculative"], temperature=0.0, resamples=100
     )
     overall = next(r for r in rows if r["method"] == "speculative" and r["category"] is None)
@@ -241,25 +245,25 @@ def test_summarize_on_hand_made_prompts() -> None:
     assert overall["mismatch_details"][0]["position"] == 4
     category_a = next(r for r in rows if r["method"] == "speculative" and r["category"] == "a")
     assert category_a["num_prompts"] == 2 and category_a["mismatches"] == 1
-    markdown = bench.to_markdown({"config": {}, "rows": rows, "per_prompt": per_prompt})
+    markdown = bench_report.to_markdown({"config": {}, "rows": rows, "per_prompt": per_prompt})
     assert "Greedy mismatches" in markdown and "near tie" in markdown
 
 
 def test_drafter_labels_stay_unique() -> None:
     # Two runs' `drafter/last` folders are two methods, not one overwritten by the other.
-    assert bench.drafter_labels(["runs/a/drafter/last", "runs/b/drafter/last", "random"]) == [
+    assert bench_cli.drafter_labels(["runs/a/drafter/last", "runs/b/drafter/last", "random"]) == [
         "a/drafter/last",
         "b/drafter/last",
         "random",
     ]
-    assert bench.drafter_labels(["runs/a/best", "runs/a/last", "bigram:sharegpt"]) == [
+    assert bench_cli.drafter_labels(["runs/a/best", "runs/a/last", "bigram:sharegpt"]) == [
         "best",
         "last",
         "bigram:sharegpt",
     ]
-    assert bench.drafter_labels(["x/last", "./x/last"]) == ["x/last#0", "x/last#1"]
+    assert bench_cli.drafter_labels(["x/last", "./x/last"]) == ["x/last#0", "x/last#1"]
     with pytest.raises(ValueError, match="twice"):
-        bench.drafter_labels(["runs/a/last", "runs/a/last"])
+        bench_cli.drafter_labels(["runs/a/last", "runs/a/last"])
 
 
 def test_stratified_selection_round_robins_categories() -> None:
@@ -268,18 +272,18 @@ def test_stratified_selection_round_robins_categories() -> None:
             self.meta = {"category": category}
 
     conversations = [Conv(c) for c in "aaaabbbbcccc"]
-    chosen = bench._stratified(conversations, 5)
+    chosen = specs._stratified(conversations, 5)
     assert [c.meta["category"] for c in chosen] == ["a", "a", "b", "b", "c"]
 
 
 def test_busy_machine_is_flagged(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    monkeypatch.setattr(bench.os, "getloadavg", lambda: (40.0, 40.0, 40.0))
-    machine = bench.machine_info("fp32")
+    monkeypatch.setattr(bench_machine.os, "getloadavg", lambda: (40.0, 40.0, 40.0))
+    machine = bench_machine.machine_info("fp32")
     assert machine["busy"] and machine["load_average"][0] == 40.0
-    assert bench.warn_if_busy(machine)
+    assert bench_machine.warn_if_busy(machine)
     assert "WARNING" in capsys.readouterr().err
-    monkeypatch.setattr(bench.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert not bench.machine_info("fp32")["busy"]
+    monkeypatch.setattr(bench_machine.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert not bench_machine.machine_info("fp32")["busy"]
 
 
 # ------------------------------------------------------------------------------ the CLI
@@ -316,7 +320,7 @@ def cli_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_cli_end_to_end(cli_inputs: tuple[Path, Path], tmp_path: Path) -> None:
     folder, data = cli_inputs
     output = tmp_path / "result.json"
-    code = bench.main(
+    code = bench_cli.main(
         [
             "--target", str(folder), "--drafter", "self", "--drafter", f"bigram:{data}",
             "--dataset", str(data), "--limit", "3", "--max-new-tokens", "9", "--tree", "chain:2",
@@ -343,7 +347,7 @@ def test_cli_end_to_end(cli_inputs: tuple[Path, Path], tmp_path: Path) -> None:
 def test_cli_tree_auto(cli_inputs: tuple[Path, Path], tmp_path: Path) -> None:
     folder, data = cli_inputs
     output = tmp_path / "auto.json"
-    code = bench.main(
+    code = bench_cli.main(
         [
             "--target", str(folder), "--drafter", "self", "--dataset", str(data),
             "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--calibrate-prompts", "1",
@@ -372,9 +376,9 @@ def _smollm2() -> TargetModel:
 @pytest.mark.slow
 def test_smollm2_self_drafter_chain4() -> None:
     target = _smollm2()
-    _, prompts = bench.load_prompts("mtbench", target.tokenizer, 3)
+    _, prompts = specs.load_prompts("mtbench", target.tokenizer, 3)
     drafter = StandaloneDrafter.from_model(target.model)
-    result = bench.run_bench(
+    result = bench_runner.run_bench(
         target,
         drafter,
         "chain:4",
@@ -395,9 +399,9 @@ def test_smollm2_self_drafter_chain4() -> None:
 @pytest.mark.parametrize("tree", ["chain:4", "static:small", "dynamic:5,8,32"])
 def test_smollm2_random_drafter_is_lossless(tree: str) -> None:
     target = _smollm2()
-    _, prompts = bench.load_prompts("mtbench", target.tokenizer, 3)
+    _, prompts = specs.load_prompts("mtbench", target.tokenizer, 3)
     drafter = Eagle3Drafter.from_target(target, seed=0)
-    result = bench.run_bench(
+    result = bench_runner.run_bench(
         target,
         drafter,
         tree,

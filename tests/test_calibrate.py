@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from lightning_spec import bench, calibrate
-from lightning_spec.calibrate import AcceptanceProfile
+from lightning_spec import specs
+from lightning_spec.bench import calibrate
+from lightning_spec.bench.calibrate import AcceptanceProfile
+from lightning_spec.cli import calibrate as calibrate_cli
 from lightning_spec.decoding.build import DynamicTreePolicy
 from lightning_spec.models.drafters.standalone import StandaloneDrafter
 from lightning_spec.models.target import TargetModel
@@ -136,10 +138,10 @@ def test_calibrate_cli_wiring(
     target: TargetModel, monkeypatch: pytest.MonkeyPatch, tmp_path, capsys
 ) -> None:
     prompts = [(list(range(3, 12)), {"id": "a", "category": None})]
-    monkeypatch.setattr(bench, "load_bench_target", lambda spec, dtype: target)
-    monkeypatch.setattr(bench, "load_prompts", lambda spec, tok, limit: ("toy", prompts))
+    monkeypatch.setattr(specs, "resolve_target", lambda spec, dtype: target)
+    monkeypatch.setattr(specs, "load_prompts", lambda spec, tok, limit: ("toy", prompts))
     output = tmp_path / "calibration.json"
-    code = calibrate.main(
+    code = calibrate_cli.main(
         [
             "--drafter", "self", "--sizes", "1,2,4", "--context", "16", "--repeats", "1",
             "--depth", "3", "--max-new-tokens", "10", "--threads", "1", "--output", str(output),
@@ -162,9 +164,9 @@ def test_calibrate_cli_wiring(
 def test_calibrate_cli_cost_curve_only(
     target: TargetModel, monkeypatch: pytest.MonkeyPatch, tmp_path, capsys
 ) -> None:
-    monkeypatch.setattr(bench, "load_bench_target", lambda spec, dtype: target)
+    monkeypatch.setattr(specs, "resolve_target", lambda spec, dtype: target)
     output = tmp_path / "cost.json"
-    code = calibrate.main(
+    code = calibrate_cli.main(
         ["--sizes", "1,3", "--context", "8", "--repeats", "1", "--threads", "1",
          "--output", str(output)]
     )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_spec.quickstart_report import main, mlflow_run_info
+from lightning_spec.cli.quickstart_report import main, mlflow_run_info
 
 
 def _row(method: str, tau: float | None, mismatches: int = 0, **extra: object) -> dict:

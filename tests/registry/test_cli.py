@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_spec.registry_cli import main
+from lightning_spec.cli.promote import main
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,13 @@ from typing import Any
 
 import pytest
 
-from lightning_spec.promotion import Decision, promote
-from lightning_spec.registry import drafter_metadata, register_drafter, registry_client
+from lightning_spec.registry import (
+    Decision,
+    drafter_metadata,
+    promote,
+    register_drafter,
+    registry_client,
+)
 
 _names = itertools.count()
 
@@ -181,7 +186,7 @@ def test_incomparable_figures_are_remeasured_side_by_side(
         _reset(tracking_uri, registry.name, champion, candidate, **{**baseline, **change})
         measure = Measure(candidate=1.5, champion=1.2)
         caplog.clear()
-        with caplog.at_level("INFO", logger="lightning_spec.promotion"):
+        with caplog.at_level("INFO", logger="lightning_spec.registry.promotion"):
             decision = _promote(registry, candidate, tracking_uri, measure=measure)
         assert measure.calls == [{"candidate": "StandaloneDrafter", "champion": "Eagle3Drafter"}]
         assert why in caplog.text, (why, caplog.text)

@@ -14,12 +14,12 @@ from lightning_spec.models.drafters.base import load_drafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.registry import (
     CARD_NAME,
-    _fluent_uris,
     drafter_metadata,
     load_registered_drafter,
     register_drafter,
     registry_client,
 )
+from lightning_spec.registry.register import _fluent_uris
 
 
 def _store(tracking_uri: str) -> Path:

@@ -26,10 +26,11 @@ from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from lightning_spec.models.drafters.base import load_drafter
 from lightning_spec.models.target import TargetModel
-from lightning_spec.promotion import bench_measure, promote
 from lightning_spec.registry import (
+    bench_measure,
     drafter_metadata,
     load_registered_drafter,
+    promote,
     register_drafter,
     registry_client,
 )

@@ -43,7 +43,8 @@ __all__ = [
     "safe_log_artifact",
 ]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("lightning_spec.tracking")
+"""The package's name, not this module's: users filter and configure `lightning_spec.tracking`."""
 
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
 MIRROR_NAME = "mlflow_mirror.jsonl"

@@ -1,13 +1,14 @@
-"""The MLflow model registry for drafters: metadata, registration, loading by alias.
+"""Registration and loading: a drafter folder in, a registered model version out, and back.
 
 A drafter folder (`Drafter.save_pretrained`) is logged as an MLflow pyfunc model
-(`lightning_spec.registry_pyfunc.DrafterPyfunc`: prompts in, speculative completions out) with a
-markdown model card, registered as a new version of a registered model, and described by
-version tags (`drafter_metadata`, in `lightning_spec.registry_metadata`): the target, its feature layers, the draft vocabulary, the tree
-policy, tau per prompt set and temperature (`tau/<prompt set>/T<temperature>`), the training
-objective and the git commit. `load_registered_drafter("models:/NAME@champion")` gives back a
-`Drafter` for `SpeculativeDecoder`. Which version holds the `champion` alias is decided by
-`lightning_spec.promotion.promote`; docs/registry.md describes the whole flow.
+(`lightning_spec.registry.pyfunc.DrafterPyfunc`: prompts in, speculative completions out) with
+a markdown model card, registered as a new version of a registered model, and described by
+version tags (`drafter_metadata`, in `lightning_spec.registry.metadata`): the target, its
+feature layers, the draft vocabulary, the tree policy, tau per prompt set and temperature
+(`tau/<prompt set>/T<temperature>`), the training objective and the git commit.
+`load_registered_drafter("models:/NAME@champion")` gives back a `Drafter` for
+`SpeculativeDecoder`. Which version holds the `champion` alias is decided by
+`lightning_spec.registry.promotion.promote`; docs/registry.md describes the whole flow.
 
 mlflow is imported inside the functions (~3-5 s): importing this module stays cheap.
 """
@@ -24,15 +25,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_spec.registry_metadata import (
-    TAU_PREFIX,
+from lightning_spec.registry.metadata import (
     drafter_metadata,
     metadata_tags,
     model_card,
-    prompt_set_label,
     read_drafter_config,
-    tau_key,
-    temperature_label,
 )
 
 __all__ = [
@@ -41,21 +38,13 @@ __all__ = [
     "CHAMPION",
     "DEFAULT_EXPERIMENT",
     "MODEL_NAME_IN_RUN",
-    "TAU_PREFIX",
     "download_registered_drafter",
-    "drafter_metadata",
     "load_registered_drafter",
-    "metadata_tags",
-    "model_card",
     "model_uri",
-    "prompt_set_label",
-    "read_drafter_config",
     "register_drafter",
     "registry_client",
     "resolve_tracking_uri",
     "resolve_version",
-    "tau_key",
-    "temperature_label",
 ]
 
 CHAMPION = "champion"
@@ -168,7 +157,7 @@ def _create_registered_model(client: Any, model_name: str) -> None:
 _MODEL_CODE = """\
 import mlflow.models
 
-from lightning_spec.registry_pyfunc import DrafterPyfunc
+from lightning_spec.registry.pyfunc import DrafterPyfunc
 
 mlflow.models.set_model(DrafterPyfunc())
 """
@@ -194,7 +183,7 @@ def register_drafter(
     """
     import mlflow
 
-    from lightning_spec.registry_pyfunc import drafter_signature, pip_requirements
+    from lightning_spec.registry.pyfunc import drafter_signature, pip_requirements
 
     folder = Path(drafter_dir).expanduser().resolve()
     metadata = dict(metadata) if metadata is not None else drafter_metadata(folder)
@@ -330,12 +319,3 @@ def load_registered_drafter(
     finally:
         if temporary:
             shutil.rmtree(destination, ignore_errors=True)
-
-
-def __getattr__(name: str) -> Any:
-    """`promote`, `Decision` and `bench_measure` live in `lightning_spec.promotion`."""
-    if name in ("promote", "Decision", "bench_measure"):
-        from lightning_spec import promotion
-
-        return getattr(promotion, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,9 +3,10 @@
 `fit`, `validate` and `test` are LightningCLI subcommands (configs use `class_path`/`init_args`,
 `${...}` interpolation resolved per file by OmegaConf at load time: a later command-line override
 does not flow into values interpolated from it). Tasks that are not Trainer-shaped (assets,
-bench, export, promote, online, calibrate, relog) live in a small dispatcher in front of
-LightningCLI, each in its own module, imported only when called so `lightning-spec --help`
-answers fast.
+generate, bench, calibrate, export, promote, relog) live in a small dispatcher in front of
+LightningCLI, one module each in this package (`lightning_spec.cli.<name>`: its argparse parser
+and `main(argv) -> int`; the work itself is done elsewhere), imported only when called so
+`lightning-spec --help` answers fast.
 """
 
 from __future__ import annotations
@@ -18,19 +19,21 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "assets": ("lightning_spec.data.assets", "fetch and cache the default target and datasets"),
     "generate": (
-        "lightning_spec.generate_cli",
+        "lightning_spec.cli.generate",
         "answer one prompt with speculative decoding (tau, greedy check)",
     ),
-    "bench": ("lightning_spec.bench", "measure tau and speedup against baselines, side by side"),
+    "bench": (
+        "lightning_spec.cli.bench",
+        "measure tau and speedup against baselines, side by side",
+    ),
     "calibrate": (
-        "lightning_spec.calibrate",
+        "lightning_spec.cli.calibrate",
         "measure verification cost and suggest the fastest tree policy",
     ),
     "export": ("lightning_spec.export.cli", "export a drafter to ONNX (and TensorRT engines)"),
-    "promote": ("lightning_spec.registry_cli", "register a drafter and move the champion alias"),
-    "online": ("lightning_spec.online_cli", "serve prompts while updating the drafter online"),
+    "promote": ("lightning_spec.cli.promote", "register a drafter and move the champion alias"),
     "relog": (
-        "lightning_spec.relog_cli",
+        "lightning_spec.cli.relog",
         "replay a run's MLflow mirror into MLflow (after the tracking server went away)",
     ),
 }
@@ -99,7 +102,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print(f"lightning-spec: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,8 +1,8 @@
-"""`lightning-spec relog`: replay a run's MLflow mirror into an MLflow tracking store.
+"""Replay a run's MLflow mirror into an MLflow tracking store (`lightning-spec relog`).
 
 `SpecMLFlowLogger` appends everything it logs to `<run_dir>/mlflow_mirror.jsonl` before calling
-MLflow, and stops calling MLflow when the store becomes unreachable (docs/tracking.md). This
-command sends what did not get through: metrics with their original steps and timestamps (in
+MLflow, and stops calling MLflow when the store becomes unreachable (docs/tracking.md). `relog`
+sends what did not get through: metrics with their original steps and timestamps (in
 batches), parameters, artifacts whose files still exist, and the final run status.
 
 Each logger session in the mirror (a `start` record: one `fit`, or one resumed job) is replayed
@@ -16,8 +16,6 @@ previous `relog` already sent to the same run are skipped, so running it twice i
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,34 +23,6 @@ from typing import Any
 METRICS_PER_BATCH = 1000  # MLflow's log_batch limits
 PARAMS_PER_BATCH = 100
 DATA_TYPES = {"params", "metrics", "artifact"}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-spec relog", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("run_dir", help="run folder holding mlflow_mirror.jsonl (or the file)")
-    parser.add_argument(
-        "--tracking-uri",
-        help="store to write to (default: the URI each session recorded; e.g. the restarted "
-        "server, or sqlite:////abs/mlflow.db to write straight into a server's database)",
-    )
-    target = parser.add_mutually_exclusive_group()
-    target.add_argument("--run-id", help="replay into this existing run")
-    target.add_argument(
-        "--new-run", action="store_true", help="always replay into a new run (the whole session)"
-    )
-    parser.add_argument(
-        "--experiment", help="experiment for new runs (default: the recorded experiment)"
-    )
-    parser.add_argument(
-        "--all",
-        dest="replay_all",
-        action="store_true",
-        help="replay every record, also those MLflow already has or a previous relog sent",
-    )
-    parser.add_argument("--dry-run", action="store_true", help="only say what would be sent")
-    return parser
 
 
 @dataclass
@@ -136,7 +106,7 @@ def _run_exists(client: Any, run_id: str | None) -> bool:
         return False
     from mlflow.exceptions import MlflowException
 
-    from lightning_spec.tracking import is_unreachable_error
+    from lightning_spec.tracking.logger import is_unreachable_error
 
     try:
         run = client.get_run(run_id)
@@ -148,7 +118,7 @@ def _run_exists(client: Any, run_id: str | None) -> bool:
 
 
 def _experiment_id(client: Any, name: str, run_dir: Path, uri: str) -> str:
-    from lightning_spec.tracking import default_artifact_location
+    from lightning_spec.tracking.logger import default_artifact_location
 
     experiment = client.get_experiment_by_name(name)
     if experiment is not None and experiment.lifecycle_stage != "deleted":
@@ -305,7 +275,7 @@ def relog(
     session. Appends a `relog` record per session it sent, unless `dry_run`."""
     from mlflow.tracking import MlflowClient
 
-    from lightning_spec.tracking import MIRROR_NAME, RunMirror, read_mirror
+    from lightning_spec.tracking.logger import MIRROR_NAME, RunMirror, read_mirror
 
     path = Path(run_dir).expanduser().resolve()
     if path.is_file():
@@ -345,40 +315,3 @@ def relog(
             mirror.write("relog", **marker)
         reports.append(report)
     return reports
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from lightning_spec.tracking import is_unreachable_error
-
-    try:
-        reports = relog(
-            args.run_dir,
-            tracking_uri=args.tracking_uri,
-            run_id=args.run_id,
-            new_run=args.new_run,
-            experiment=args.experiment,
-            replay_all=args.replay_all,
-            dry_run=args.dry_run,
-        )
-    except FileNotFoundError as exc:
-        print(f"lightning-spec relog: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        if not is_unreachable_error(exc):
-            raise
-        print(
-            f"lightning-spec relog: the tracking store is unreachable ({exc}); nothing was "
-            "lost, the mirror is unchanged: start the server or pass --tracking-uri",
-            file=sys.stderr,
-        )
-        return 1
-    if not reports:
-        print("lightning-spec relog: the mirror holds no logger session")
-    for report in reports:
-        print(report.line(args.dry_run))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

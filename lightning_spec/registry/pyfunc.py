@@ -11,8 +11,8 @@ by default the drafter config's `target_model`. Override it at load time:
 
 Model config keys: `target`, `tree` (a tree policy spec), `dtype` (float32 / bf16),
 `chat_template` (true: prompts are user messages rendered with the tokenizer's chat template;
-false: raw text). This module imports mlflow at import time; `lightning_spec.registry` imports
-it only when a drafter is registered.
+false: raw text). This module imports mlflow at import time; the rest of `lightning_spec.registry`
+imports it only when a drafter is registered.
 """
 
 from __future__ import annotations

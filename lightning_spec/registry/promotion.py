@@ -23,13 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_spec.registry import (
+from lightning_spec.registry.metadata import tau_key
+from lightning_spec.registry.register import (
     CHALLENGER,
     CHAMPION,
     load_registered_drafter,
     registry_client,
     resolve_tracking_uri,
-    tau_key,
 )
 
 log = logging.getLogger(__name__)
@@ -137,8 +137,8 @@ def bench_measure(
     seed: int = 0,
 ) -> Measure:
     """A `Measure` running both drafters in one interleaved `run_bench` call on `prompts`
-    (token-id lists or `(ids, meta)` pairs, as `bench.load_prompts` returns them)."""
-    from lightning_spec.bench import run_bench
+    (token-id lists or `(ids, meta)` pairs, as `specs.load_prompts` returns them)."""
+    from lightning_spec.bench.runner import run_bench
 
     items = [
         p if isinstance(p, tuple) else (list(map(int, p)), {"id": f"p{i}"})

@@ -1,8 +1,9 @@
 """`lightning-spec generate`: answer one prompt with speculative decoding and show what happened.
 
 The smallest end-to-end use of the product: load a target (default: the embedded SmolLM2),
-a drafter folder (or `self` / `random`), decode a chat prompt, print the answer, tau, the time
-taken and whether the output equals the target's own greedy decode (at T=0 it must).
+a drafter (a folder, `self`, `random` or `bigram:...`: the spellings of `lightning_spec.specs`),
+decode a chat prompt, print the answer, tau, the time taken and whether the output equals the
+target's own greedy decode (at T=0 it must).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drafter",
         default="self",
-        help="drafter folder, `self` (target drafts for itself), or `random`",
+        help="drafter folder, `self` (target drafts for itself), `random` (untrained head) or "
+        "`bigram:<folder|data source>`",
     )
     parser.add_argument("--tree", default="chain:4", help="chain:K | static:NAME | dynamic:D,K,T")
     parser.add_argument("--prompt", default="Explain speculative decoding in two sentences.")
@@ -37,32 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_drafter(spec: str, target: object) -> object:
-    """`self`, `random` or a drafter folder -> a Drafter for `target`."""
-    from lightning_spec.models.drafters.base import load_drafter
-    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
-    from lightning_spec.models.drafters.standalone import StandaloneDrafter
-
-    if spec == "self":
-        return StandaloneDrafter.from_model(target.model, target.name)
-    if spec == "random":
-        return Eagle3Drafter.from_target(target).eval()
-    return load_drafter(spec, device=target.device).to(target.dtype)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
+    from lightning_spec import specs
     from lightning_spec.data.chat import render_prompt
-    from lightning_spec.decoding.build import parse_tree_spec
     from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
-    from lightning_spec.models.target import load_target
 
     torch.manual_seed(args.seed)
-    target = load_target(args.target, dtype=args.dtype)
-    drafter = resolve_drafter(args.drafter, target)
-    policy = parse_tree_spec(args.tree)
+    target = specs.resolve_target(args.target, args.dtype)
+    drafter = specs.resolve_drafter(args.drafter, target)
+    policy = specs.resolve_tree(args.tree)
     prompt = render_prompt(target.tokenizer, [{"role": "user", "content": args.prompt}])
     decoder = SpeculativeDecoder(target, drafter, policy, temperature=args.temperature)
     generator = torch.Generator().manual_seed(args.seed)

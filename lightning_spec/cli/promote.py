@@ -3,7 +3,7 @@
     lightning-spec promote --drafter runs/sft/drafter/best --model-name smollm2-eagle3 \\
         --dataset mtbench --limit 20 --tree chain:4 --temperature 0
 
-The candidate's tau is measured with `bench` on the prompt set (named `mtbench-20`: dataset,
+The candidate's tau is measured with `run_bench` on the prompt set (named `mtbench-20`: dataset,
 limit and selection), the folder is registered as a new version with its metadata and model
 card, and the `champion` alias moves to it only when it beats the champion by more than
 `--margin` under the same conditions; otherwise it becomes `challenger`. When the champion's
@@ -108,14 +108,17 @@ def run(args: argparse.Namespace) -> Any:
     import torch
     from mlflow.exceptions import MlflowException
 
-    from lightning_spec import bench
-    from lightning_spec.promotion import alias_version, bench_measure, promote, stored_tau
+    from lightning_spec import specs
     from lightning_spec.registry import (
         CHAMPION,
+        alias_version,
+        bench_measure,
         drafter_metadata,
+        promote,
         prompt_set_label,
         register_drafter,
         registry_client,
+        stored_tau,
         tau_key,
     )
 
@@ -124,13 +127,13 @@ def run(args: argparse.Namespace) -> Any:
     torch.manual_seed(args.seed)
     target_spec = args.target or config.get("target_model") or DEFAULT_TARGET
     try:
-        target = bench.load_bench_target(target_spec, args.dtype)
+        target = specs.resolve_target(target_spec, args.dtype)
     except (OSError, ValueError) as error:
         raise UsageError(f"cannot load the target {target_spec!r}: {error}") from error
     limit = args.limit or None
     try:
-        name, items = bench.load_prompts(args.dataset, target.tokenizer, limit, args.selection)
-        drafter = bench.resolve_drafter(str(folder), target)
+        name, items = specs.load_prompts(args.dataset, target.tokenizer, limit, args.selection)
+        drafter = specs.resolve_drafter(str(folder), target)
     except (OSError, ValueError) as error:
         raise UsageError(str(error)) from error
     if drafter.target_vocab_size != target.vocab_size:

@@ -91,7 +91,7 @@ def drafter_metadata(
     `git_commit` (default: this repository's HEAD), `training_step` (from training_state.json),
     plus `extra`. None values are left out.
     """
-    from lightning_spec.bench import git_commit
+    from lightning_spec.bench.machine import git_commit
 
     folder = Path(drafter_dir)
     config = read_drafter_config(folder)

@@ -3,7 +3,7 @@
 Reads the bench JSON written by ``lightning-spec bench --output`` and the run folder's MLflow
 mirror (``tracking.MIRROR_NAME``: tracking URI and run id), and prints tau, speedups against
 HF greedy ``generate`` and HF prompt lookup, mismatches, where the MLflow run is and where the
-drafter folder is. ``python -m lightning_spec.quickstart_report RUN_DIR BENCH_JSON``.
+drafter folder is. ``python -m lightning_spec.cli.quickstart_report RUN_DIR BENCH_JSON``.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def summary_lines(result: dict[str, Any], run_dir: Path, drafter_dir: Path) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_spec.quickstart_report")
+    parser = argparse.ArgumentParser(prog="python -m lightning_spec.cli.quickstart_report")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("bench_json", type=Path)
     parser.add_argument("--drafter", type=Path, default=None, help="default RUN_DIR/drafter/last")

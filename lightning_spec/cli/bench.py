@@ -1,0 +1,235 @@
+"""`lightning-spec bench`: acceptance length and wall-clock speedup, side by side with baselines.
+
+The command line of `lightning_spec.bench.runner.run_bench` (the methods, the measurement rules
+of MEASURING.md and the meaning of tau are described there); targets, drafters, prompt sets and
+trees are resolved by `lightning_spec.specs`. ``--tree auto`` calibrates first
+(`lightning_spec.bench.calibrate`). The markdown table goes to stdout, ``--output`` writes the
+JSON and the table beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_spec import specs
+from lightning_spec.bench.machine import git_commit, machine_info, warn_if_busy
+from lightning_spec.bench.report import to_markdown, write_outputs
+from lightning_spec.bench.runner import METHODS, run_bench
+from lightning_spec.specs import PromptItem
+
+__all__ = ["build_parser", "drafter_labels", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-spec bench",
+        description="Measure tau, per-depth acceptance and wall-clock speedup of speculative "
+        "decoding against autoregressive decoding, HF generate and HF prompt lookup, "
+        "interleaved per prompt.",
+    )
+    parser.add_argument("--target", default="smollm2", help="smollm2, a model folder or hub id")
+    parser.add_argument(
+        "--drafter",
+        action="append",
+        default=None,
+        help="drafter folder, random, self or bigram:<folder|data source>; repeat to compare "
+        "several drafters in one interleaved run",
+    )
+    parser.add_argument(
+        "--dataset",
+        action="append",
+        default=None,
+        help="mtbench, humaneval or a .jsonl path; repeatable or comma-separated (default mtbench)",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="prompts per dataset")
+    parser.add_argument(
+        "--selection",
+        default="stratified",
+        choices=["stratified", "first"],
+        help="how --limit picks prompts: round-robin over categories, or file order",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--tree",
+        default="chain:4",
+        help="chain:K, dynamic:DEPTH,TOP_K,TOTAL, static:NAME, or auto (calibrate first)",
+    )
+    parser.add_argument(
+        "--calibration", default=None, help="with --tree auto: reuse a calibrate JSON"
+    )
+    parser.add_argument(
+        "--calibrate-prompts", type=int, default=3, help="with --tree auto: acceptance probe size"
+    )
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (recorded)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated subset of {','.join(METHODS)}",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=1, help="prompts run first and discarded")
+    parser.add_argument("--order", default="rotate", choices=["rotate", "fixed"])
+    parser.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens")
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=10)
+    parser.add_argument("--max-matching-ngram-size", type=int, default=2)
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="for --drafter random")
+    parser.add_argument("--bigram-limit", type=int, default=2000, help="conversations counted")
+    parser.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples")
+    parser.add_argument("--output", default=None, help="JSON path; the .md goes next to it")
+    parser.add_argument("--require-idle", action="store_true", help="exit 3 when the CPU is busy")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _split(values: Sequence[str] | None, default: str) -> list[str]:
+    out = [part.strip() for value in (values or [default]) for part in value.split(",")]
+    return [part for part in out if part]
+
+
+def _drafter_label(spec: str, parts: int = 1) -> str:
+    """A short method label for a --drafter value: its last `parts` path components."""
+    if spec in ("random", "self"):
+        return spec
+    prefix, path = ("bigram:", spec.split(":", 1)[1]) if spec.startswith("bigram:") else ("", spec)
+    tail = Path(path).parts[-parts:]
+    return prefix + ("/".join(tail) if tail else spec)
+
+
+def drafter_labels(specs: Sequence[str]) -> list[str]:
+    """Unique labels for the --drafter values, as short as possible.
+
+    Two runs' `drafter/last` folders must not collapse into one `speculative:last` method (the
+    second would silently replace the first): colliding labels take more path components
+    (`a/drafter/last`, `b/drafter/last`). The same drafter given twice is an error.
+    """
+    if len(set(specs)) != len(specs):
+        raise ValueError("bench: the same --drafter was given twice")
+    parts = [1] * len(specs)
+    while True:
+        labels = [_drafter_label(spec, n) for spec, n in zip(specs, parts, strict=True)]
+        clashes = {label for label in labels if labels.count(label) > 1}
+        if not clashes:
+            return labels
+        grown = False
+        for index, label in enumerate(labels):
+            if label in clashes and parts[index] < len(Path(specs[index]).parts):
+                parts[index] += 1
+                grown = True
+        if not grown:  # e.g. `x` and `./x`: distinct strings, same components
+            return [f"{label}#{i}" if label in clashes else label for i, label in enumerate(labels)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`lightning-spec bench`; returns 0, 1 when greedy outputs mismatched, 3 when busy and
+    --require-idle was given."""
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    machine = machine_info(args.dtype)
+    if warn_if_busy(machine) and args.require_idle:
+        return 3
+    methods = _split([args.methods], ",".join(METHODS))
+    dataset_specs = _split(args.dataset, "mtbench")
+    drafter_specs = args.drafter or []
+    if "speculative" in methods and not drafter_specs:
+        print("bench: --drafter is required for the speculative method", file=sys.stderr)
+        return 2
+    target = specs.resolve_target(args.target, args.dtype)
+    datasets: dict[str, list[PromptItem]] = {}
+    for spec in dataset_specs:
+        name, items = specs.load_prompts(spec, target.tokenizer, args.limit, args.selection)
+        datasets[name] = items
+    drafters = {}
+    if "speculative" in methods:
+        try:
+            labels = drafter_labels(drafter_specs)
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 2
+        for label, spec in zip(labels, drafter_specs, strict=True):
+            drafters[label] = specs.resolve_drafter(
+                spec,
+                target,
+                draft_vocab_size=args.draft_vocab_size,
+                bigram_limit=args.bigram_limit,
+                seed=args.seed,
+            )
+    config: dict[str, Any] = {
+        "flags": dict(vars(args)),
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "commit": git_commit(),
+        "machine": machine,
+        "drafter": drafter_specs,
+        "threads": args.threads,
+    }
+    tree = args.tree
+    if "speculative" in methods and tree == "auto":
+        tree, calibration = _auto_tree(args, target, drafters, datasets)
+        config["calibration"] = calibration
+    result = run_bench(
+        target,
+        (drafters if len(drafters) > 1 else next(iter(drafters.values()))) if drafters else None,
+        tree if "speculative" in methods else None,
+        datasets,
+        methods=methods,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        warmup=args.warmup,
+        order=args.order,
+        stop_on_eos=not args.ignore_eos,
+        prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
+        max_matching_ngram_size=args.max_matching_ngram_size,
+        bootstrap_resamples=args.bootstrap,
+        progress=not args.no_progress,
+        config=config,
+    )
+    markdown = to_markdown(result)
+    print(markdown)
+    if args.output:
+        json_path, md_path = write_outputs(result, args.output)
+        print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+    mismatched = sum(row["mismatches"] or 0 for row in result["rows"] if row["category"] is None)
+    if mismatched:
+        print(f"bench: {mismatched} greedy mismatch(es); see the table", file=sys.stderr)
+    return 1 if mismatched else 0
+
+
+def _auto_tree(
+    args: argparse.Namespace,
+    target: Any,
+    drafters: dict[str, Any],
+    datasets: dict[str, list[PromptItem]],
+) -> tuple[str, dict[str, Any]]:
+    """`--tree auto`: one policy for all drafters, from a saved or fresh calibration of the
+    first drafter (the same policy for every method keeps the comparison fair)."""
+    from lightning_spec.bench import calibrate
+
+    if args.calibration:
+        data = json.loads(Path(args.calibration).read_text())
+        spec, speedup, table = calibrate.suggestion_from_calibration(data)
+        calibration = {"source": args.calibration, "suggestion": spec, "expected_speedup": speedup}
+    else:
+        first = next(iter(datasets.values()))
+        prompts = [ids for ids, _ in first[: args.calibrate_prompts]]
+        drafter = next(iter(drafters.values()))
+        calibration = calibrate.calibrate(
+            target, drafter, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed
+        )
+        spec = calibration["suggestion"]["policy"]
+        speedup = calibration["suggestion"]["expected_speedup"]
+    print(f"bench: --tree auto -> {spec} (modelled speedup {speedup:.2f}x)", file=sys.stderr)
+    return spec, calibration
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
