@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 # name -> (module with `main(argv) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "assets": ("lightning_spec.data.assets", "fetch and cache the default target and datasets"),
+    "assets": ("lightning_spec.cli.assets", "fetch and cache the default target and datasets"),
     "generate": (
         "lightning_spec.cli.generate",
         "answer one prompt with speculative decoding (tau, greedy check)",
@@ -30,7 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "lightning_spec.cli.calibrate",
         "measure verification cost and suggest the fastest tree policy",
     ),
-    "export": ("lightning_spec.export.cli", "export a drafter to ONNX (and TensorRT engines)"),
+    "export": ("lightning_spec.cli.export", "export a drafter to ONNX (and TensorRT engines)"),
     "promote": ("lightning_spec.cli.promote", "register a drafter and move the champion alias"),
     "relog": (
         "lightning_spec.cli.relog",

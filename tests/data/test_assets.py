@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_spec.cli import assets as assets_cli
 from lightning_spec.data import assets
 from lightning_spec.data.assets import AssetError, AssetSpec
 
@@ -318,7 +319,7 @@ def test_offline_without_cache_raises_one_clear_error(
     assert not (tmp_path / "cache" / "assets" / "humaneval" / "manifest.json").exists()
 
     # Same through the CLI: exit code 1 and the message on stderr.
-    assert assets.main(["--cache-dir", str(tmp_path / "cache"), "--only", "humaneval"]) == 1
+    assert assets_cli.main(["--cache-dir", str(tmp_path / "cache"), "--only", "humaneval"]) == 1
 
 
 def test_not_cached_without_fetch_raises(tmp_path: Path) -> None:
@@ -372,14 +373,14 @@ def test_model_folder_build_is_atomic(fake: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_cli_fetches_and_lists(fake: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert assets.main(["--cache-dir", str(fake), "--list", "--only", "fake"]) == 0
+    assert assets_cli.main(["--cache-dir", str(fake), "--list", "--only", "fake"]) == 0
     assert "missing" in capsys.readouterr().out
-    assert assets.main(["--cache-dir", str(fake), "--only", "fake"]) == 0
+    assert assets_cli.main(["--cache-dir", str(fake), "--only", "fake"]) == 0
     out = capsys.readouterr().out
     assert str(fake.resolve()) in out and "blob.bin" in out and "MB" in out
-    assert assets.main(["--cache-dir", str(fake), "--only", "fake", "--verify"]) == 0
+    assert assets_cli.main(["--cache-dir", str(fake), "--only", "fake", "--verify"]) == 0
     with pytest.raises(SystemExit):
-        assets.main(["--only", "not-an-asset"])
+        assets_cli.main(["--only", "not-an-asset"])
 
 
 # ------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import onnx
 import pytest
 import torch
 
+from lightning_spec.cli import export as export_cli
 from lightning_spec.export import cli
 from lightning_spec.export.tensorrt import tensorrt_available
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
@@ -44,7 +45,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory, mlflow_run: dict) -> dict
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_run["uri"])
     try:
-        code = cli.main(
+        code = export_cli.main(
             [
                 "--drafter",
                 str(root / "drafter-in"),
@@ -193,12 +194,14 @@ def test_tracking_uri_alone_starts_a_run(
 
 
 def test_bad_drafter_folder_is_a_usage_error(tmp_path: Path, capsys) -> None:
-    code = cli.main(["--drafter", str(tmp_path / "missing"), "--output", str(tmp_path / "o")])
+    code = export_cli.main(
+        ["--drafter", str(tmp_path / "missing"), "--output", str(tmp_path / "o")]
+    )
     assert code == cli.EXIT_USAGE
     assert "cannot load drafter" in capsys.readouterr().err
 
 
 def test_argparse_errors_return_2(capsys) -> None:
-    assert cli.main(["--output", "x"]) == 2
-    assert cli.main(["--drafter", "d", "--output", "o", "--precision", "int8"]) == 2
-    assert cli.main(["--drafter", "d", "--output", "o", "--opset", "17"]) == 2
+    assert export_cli.main(["--output", "x"]) == 2
+    assert export_cli.main(["--drafter", "d", "--output", "o", "--precision", "int8"]) == 2
+    assert export_cli.main(["--drafter", "d", "--output", "o", "--opset", "17"]) == 2

@@ -269,6 +269,7 @@ def test_missing_precision_flag_is_explained() -> None:
 def test_cli_reports_missing_tensorrt_with_exit_code_3(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from lightning_spec.cli import export as export_cli
     from lightning_spec.export import cli
 
     monkeypatch.setattr(
@@ -293,15 +294,18 @@ def test_cli_reports_missing_tensorrt_with_exit_code_3(
     def fake_export(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(cli, "export_package", fake_export)
-    code = cli.main(["--drafter", str(tmp_path), "--output", str(tmp_path / "o"), "--tensorrt"])
+    monkeypatch.setattr(export_cli, "export_package", fake_export)
+    code = export_cli.main(
+        ["--drafter", str(tmp_path), "--output", str(tmp_path / "o"), "--tensorrt"]
+    )
     assert code == 3
 
 
 def test_cli_rejects_bad_trt_dims(tmp_path: Path, capsys) -> None:
+    from lightning_spec.cli import export as export_cli
     from lightning_spec.export import cli
 
-    code = cli.main(
+    code = export_cli.main(
         ["--drafter", str(tmp_path), "--output", str(tmp_path / "o"), "--trt-dim", "past=9:1:2"]
     )
     assert code == cli.EXIT_USAGE
@@ -314,7 +318,7 @@ def test_engines_build_and_match_onnxruntime(tmp_path: Path) -> None:
     available, reason = tensorrt_available()
     if not available:
         pytest.skip(f"TensorRT engine test needs TensorRT and a GPU: {reason}")
-    from lightning_spec.export import cli
+    from lightning_spec.cli import export as export_cli
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
     from lightning_spec.models.target import TargetModel
     from lightning_spec.models.tiny import tiny_config
@@ -322,7 +326,7 @@ def test_engines_build_and_match_onnxruntime(tmp_path: Path) -> None:
     target = TargetModel.from_config(tiny_config("llama"), seed=2)
     drafter = Eagle3Drafter.from_target(target, draft_vocab_size=32, token_counts=torch.arange(128))
     drafter.save_pretrained(tmp_path / "drafter")
-    code = cli.main(
+    code = export_cli.main(
         [
             "--drafter",
             str(tmp_path / "drafter"),
