@@ -92,3 +92,18 @@ def test_bad_folders_fail_clearly(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="tau keys look like"):
         (tmp_path / "config.json").write_text("{}")
         drafter_metadata(tmp_path, taus={"mtbench": 1.0})
+
+
+def test_importing_the_registry_imports_no_mlflow() -> None:
+    """mlflow costs seconds to import: only the functions that talk to a store import it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lightning_spec.registry, lightning_spec.registry.promotion\n"
+        "print(sorted(m for m in ('mlflow', 'torch') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
