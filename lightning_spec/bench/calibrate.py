@@ -57,6 +57,7 @@ from lightning_spec.decoding.build import (
     DynamicTreePolicy,
     StaticTreePolicy,
     TreePolicy,
+    as_batch_proposer,
     parse_tree_spec,
 )
 from lightning_spec.decoding.tree import DraftTree
@@ -221,25 +222,28 @@ class AcceptanceProfile:
 
 
 class _RankRecorder:
-    """Wraps the engine's proposer and keeps the top-`ranks` token ids of every row it hands
-    to the policy, so a chain run also reveals where the target's token sat in q."""
+    """Wraps the engine's (batch-1) proposer and keeps the top-`ranks` token ids of every row it
+    hands to the policy, so a chain run also reveals where the target's token sat in q."""
+
+    batch_size = 1
 
     def __init__(self, proposer: Any, ranks: int) -> None:
-        self.proposer = proposer
+        self.proposer = as_batch_proposer(proposer)
         self.ranks = ranks
         self.rows: list[Tensor] = []
 
     def _keep(self, logprobs: Tensor) -> Tensor:
         row = logprobs.reshape(-1)
         self.rows.append(row.topk(min(self.ranks, row.numel())).indices.cpu())
-        return logprobs
 
     def root(self) -> Tensor:
-        return self._keep(self.proposer.root())
-
-    def expand(self, tree: DraftTree, nodes: Tensor) -> Tensor:
-        rows = self.proposer.expand(tree, nodes)
+        rows = self.proposer.root()  # [1, V]
         self._keep(rows[0])
+        return rows
+
+    def expand(self, trees: Any, nodes: Tensor) -> Tensor:
+        rows = self.proposer.expand(trees, nodes)  # [1, 1, V]: a chain expands one node
+        self._keep(rows[0, 0])
         return rows
 
 
@@ -259,23 +263,29 @@ class RankProbePolicy:
     def max_depth(self) -> int:
         return self.chain.max_depth
 
-    def build(
+    def needs_draft_probs(self, temperature: float) -> bool:
+        return self.chain.needs_draft_probs(temperature)
+
+    def build_batch(
         self,
         proposer: Any,
         *,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         keep_draft_probs: bool = False,
-    ) -> DraftTree:
+    ) -> list[DraftTree]:
         recorder = _RankRecorder(proposer, self.ranks)
-        tree = self.chain.build(
+        trees = self.chain.build_batch(
             recorder,
             temperature=temperature,
             generator=generator,
             keep_draft_probs=keep_draft_probs,
         )
         self.steps.append(recorder.rows)
-        return tree
+        return trees
+
+    def build(self, proposer: Any, **kwargs: Any) -> DraftTree:
+        return self.build_batch(proposer, **kwargs)[0]
 
 
 def rank_counts(
