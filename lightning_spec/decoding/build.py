@@ -146,8 +146,12 @@ class _BatchPolicy:
         return False
 
 
-def _log_probs(raw: Tensor) -> Tensor:
-    """Float log-probs, renormalised so proposers may hand back logits as well."""
+def _log_probs(raw: Tensor, proposer: object) -> Tensor:
+    """Float log-probs, renormalised so proposers may hand back logits as well (skipped for
+    proposers that declare ``normalized = True``, like the drafting seam: it saves a [k, V]
+    log-softmax per expansion)."""
+    if getattr(proposer, "normalized", False):
+        return raw.float()
     return torch.log_softmax(raw.float(), dim=-1)
 
 
@@ -202,7 +206,7 @@ class ChainPolicy(_BatchPolicy):
     ) -> list[DraftTree]:
         """One `expand` call per token after the first (k - 1 in all), for all B chains."""
         sampling = temperature > 0.0
-        log_q = _log_probs(proposer.root())  # [B, V]
+        log_q = _log_probs(proposer.root(), proposer)  # [B, V]
         batch, device = log_q.shape[0], log_q.device
         tokens: list[Tensor] = []
         logprobs: list[Tensor] = []
@@ -234,7 +238,7 @@ class ChainPolicy(_BatchPolicy):
                 _rows(arange[1 : n + 1], batch),
             )
             nodes = torch.full((batch, 1), step, dtype=torch.long, device=device)
-            log_q = _log_probs(proposer.expand(trees, nodes)[:, 0])
+            log_q = _log_probs(proposer.expand(trees, nodes)[:, 0], proposer)
             if keep_draft_probs:
                 rows.append(log_q.exp())
         draft_probs = None
@@ -371,7 +375,7 @@ class StaticTreePolicy(_BatchPolicy):
         """
         del temperature, generator
         n = len(self.paths)
-        root = _log_probs(proposer.root())  # [B, V]
+        root = _log_probs(proposer.root(), proposer)  # [B, V]
         batch, device, vocab = root.shape[0], root.device, root.shape[-1]
         if max(self.ranks) >= vocab:
             raise ValueError(f"static tree rank {max(self.ranks)} needs a vocabulary > {vocab}")
@@ -410,7 +414,7 @@ class StaticTreePolicy(_BatchPolicy):
                 _rows(depth[:level_end], batch),
             )
             nodes = _rows(torch.tensor(parents_next, dtype=torch.long, device=device), batch)
-            expanded_rows = _log_probs(proposer.expand(partial, nodes))
+            expanded_rows = _log_probs(proposer.expand(partial, nodes), proposer)
             expanded_parents = parents_next
             level_start = level_end
         return [
@@ -489,7 +493,7 @@ class DynamicTreePolicy(_BatchPolicy):
         self, proposer: BatchProposer, *, keep_draft_probs: bool = False
     ) -> tuple[list[DraftTree], TreeBatch, Tensor]:
         """`build_candidates` for B trees: (final trees, candidates [B, C], kept [B, N])."""
-        root = _log_probs(proposer.root())  # [B, V]
+        root = _log_probs(proposer.root(), proposer)  # [B, V]
         batch, device, vocab = root.shape[0], root.device, root.shape[-1]
         k = min(self.top_k, vocab)
         scores, tokens = root.topk(k, dim=-1)  # [B, k]
@@ -507,7 +511,7 @@ class DynamicTreePolicy(_BatchPolicy):
                 torch.cat(all_logprobs, dim=1),
                 torch.cat(all_depths, dim=1),
             )
-            log_q = _log_probs(proposer.expand(candidates, frontier))  # [B, f, V]
+            log_q = _log_probs(proposer.expand(candidates, frontier), proposer)  # [B, f, V]
             if keep_draft_probs:
                 expanded_nodes.append(frontier)
                 expanded_rows.append(log_q.exp())

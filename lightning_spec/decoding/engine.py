@@ -30,10 +30,11 @@ from lightning_spec.decoding.verify import (
     verify_greedy,
     verify_sample,
 )
+from lightning_spec.metrics import tau_from_records
 from lightning_spec.models.cache import keep_cache_entries
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.drafters.proposer import absorb, absorbed_offset
-from lightning_spec.models.logits import tempered_log_softmax, tempered_softmax
+from lightning_spec.models.logits import tempered_softmax
 from lightning_spec.models.target import TargetModel
 
 GreedyVerifier = Callable[[DraftTree, Tensor], Verification]
@@ -157,10 +158,9 @@ class Generation:
 
     @property
     def tau(self) -> float:
-        """Tokens committed per target verification (accepted drafts + bonus), averaged."""
-        if not self.records:
-            return float("nan")
-        return sum(len(r.committed) for r in self.records) / len(self.records)
+        """Tokens committed per target verification (`metrics.tau_from_records`); NaN if none."""
+        tau = tau_from_records(self.records)
+        return float("nan") if tau is None else tau
 
     @property
     def num_verifications(self) -> int:
@@ -443,6 +443,7 @@ class DecodeSession:
             max_tokens=n + 1,
         )[0]
         logits = scores.rows  # [N + 1, V] float
+        argmax = logits.argmax(dim=-1)
         if temperature > 0:
             probs = tempered_softmax(logits, temperature)
             verification = verify_sample(tree, probs, generator=self.generator)
@@ -458,22 +459,29 @@ class DecodeSession:
         features = None
         if keep_features:
             features = scores.features[keep.to(scores.features.device)]
-        row_logprobs = tempered_log_softmax(logits, temperature).cpu()
-        parent_rows = tree.parents.cpu() + 1
-        token_logprobs = row_logprobs[parent_rows, tree.tokens.cpu()] if n else torch.zeros(0)
+        # log p of each node token from its parent's row: a gather and a logsumexp per row,
+        # never a full [N + 1, V] log-softmax
+        scaled = _tempered(logits, temperature)
+        lse = torch.logsumexp(scaled, dim=-1)  # [N + 1]
+        parent_rows = tree.parents.to(logits.device) + 1
+        token_logprobs = (
+            (scaled[parent_rows, tree.tokens.to(logits.device)] - lse[parent_rows]).cpu()
+            if n
+            else torch.zeros(0)
+        )
         target_rows = None
         if decoder.keep_target_rows > 0:
-            rows = keep.clone()  # the root and the accepted nodes score the tried nodes
-            values, ids = row_logprobs[rows].topk(min(decoder.keep_target_rows, logits.shape[-1]))
-            scaled = logits if temperature <= 0 else logits / temperature
-            target_rows = SparseRows(rows, values, ids, torch.logsumexp(scaled[rows], -1).cpu())
+            rows = keep.to(logits.device)  # the root and the accepted nodes score tried nodes
+            top, ids = scaled[rows].topk(min(decoder.keep_target_rows, logits.shape[-1]))
+            values = top - lse[rows].unsqueeze(-1)
+            target_rows = SparseRows(rows.cpu(), values.cpu(), ids.cpu(), lse[rows].cpu())
         timings["update"] = time.perf_counter() - tic
         keep_q = tree.draft_probs is not None and tree.iid_children
         record = StepRecord(
             anchor=root_position,
             tree=tree.to("cpu") if keep_q else _without_rows(tree).to("cpu"),
             target_token_logprobs=token_logprobs,
-            target_argmax=logits.argmax(dim=-1).cpu(),
+            target_argmax=argmax.cpu(),
             accepted=accepted,
             committed=verification.committed_tokens(tree),
             temperature=temperature,
@@ -485,6 +493,14 @@ class DecodeSession:
             drafter_version=decoder.drafter_version,
         )
         return record, features
+
+
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    """Logits scaled for `temperature` so that log p = scaled - logsumexp(scaled) stays finite
+    at any T > 0 (max subtracted first, as in `tempered_log_softmax`)."""
+    if temperature <= 0 or temperature == 1.0:
+        return logits
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
 
 
 def _without_rows(tree: DraftTree) -> DraftTree:

@@ -22,6 +22,7 @@ import torch
 
 from lightning_spec.decoding.build import TreePolicy, parse_tree_spec
 from lightning_spec.decoding.engine import Generation, SpeculativeDecoder
+from lightning_spec.metrics import tau_from_records
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.target import TargetModel
 
@@ -88,13 +89,11 @@ class DecoderRolloutSource:
             drafter.train(was_training)
         seconds = time.perf_counter() - tic
         tokens = sum(len(g.tokens) for g in results)
-        steps = sum(g.num_verifications for g in results)
+        tau = tau_from_records([r for g in results for r in g.records])
         self.last_throughput = {
             "rollout_seconds": seconds,
             "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "rollout_tau": sum(len(r.committed) for g in results for r in g.records) / steps
-            if steps
-            else float("nan"),
+            "rollout_tau": float("nan") if tau is None else tau,
         }
         log.info(
             "rollouts: %d prompts, %d tokens in %.1f s (%.1f tok/s, tau %.2f, drafter %s)",

@@ -67,9 +67,11 @@ class DrafterProposer:
     """Serves `root` / `expand` for B trees from one drafter state (see the module docstring).
 
     Log-probs are over the TARGET vocabulary (off-vocabulary tokens carry -inf) at the step's
-    temperature. Call `finish` after drafting to roll the drafter state back to the committed
-    entries.
+    temperature, already normalised (`normalized`: policies need not renormalise). Call
+    `finish` after drafting to roll the drafter state back to the committed entries.
     """
+
+    normalized = True
 
     def __init__(
         self,
