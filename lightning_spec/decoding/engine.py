@@ -28,13 +28,14 @@ from lightning_spec.decoding.verify import (
     draw_uniforms,
     inverse_cdf_sample,
     verify_greedy,
+    verify_greedy_argmax,
     verify_sample,
 )
 from lightning_spec.metrics import tau_from_records
 from lightning_spec.models.cache import keep_cache_entries
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.drafters.proposer import absorb, absorbed_offset
-from lightning_spec.models.logits import tempered_softmax
+from lightning_spec.models.logits import tempered_log_softmax, tempered_softmax
 from lightning_spec.models.target import TargetModel
 
 GreedyVerifier = Callable[[DraftTree, Tensor], Verification]
@@ -443,10 +444,13 @@ class DecodeSession:
             max_tokens=n + 1,
         )[0]
         logits = scores.rows  # [N + 1, V] float
-        argmax = logits.argmax(dim=-1)
+        argmax = logits.argmax(dim=-1)  # [N + 1], once: the record and greedy verification
         if temperature > 0:
             probs = tempered_softmax(logits, temperature)
             verification = verify_sample(tree, probs, generator=self.generator)
+        elif decoder.greedy_verifier is verify_greedy:
+            probs = None
+            verification = verify_greedy_argmax(tree, argmax)
         else:
             probs = None
             verification = decoder.greedy_verifier(tree, logits)
@@ -459,22 +463,23 @@ class DecodeSession:
         features = None
         if keep_features:
             features = scores.features[keep.to(scores.features.device)]
-        # log p of each node token from its parent's row: a gather and a logsumexp per row,
-        # never a full [N + 1, V] log-softmax
-        scaled = _tempered(logits, temperature)
-        lse = torch.logsumexp(scaled, dim=-1)  # [N + 1]
-        parent_rows = tree.parents.to(logits.device) + 1
-        token_logprobs = (
-            (scaled[parent_rows, tree.tokens.to(logits.device)] - lse[parent_rows]).cpu()
-            if n
-            else torch.zeros(0)
-        )
+        # log p of each node token from its parent's row: a log-softmax over the rows that are
+        # parents only (about half the tree's rows), never all [N + 1, V]
+        token_logprobs = torch.zeros(0)
+        if n:
+            parent_rows = tree.parents.to(logits.device) + 1
+            rows, inverse = torch.unique(parent_rows, return_inverse=True)
+            row_logprobs = tempered_log_softmax(logits[rows], temperature)
+            token_logprobs = row_logprobs[inverse, tree.tokens.to(logits.device)].cpu()
         target_rows = None
         if decoder.keep_target_rows > 0:
             rows = keep.to(logits.device)  # the root and the accepted nodes score tried nodes
-            top, ids = scaled[rows].topk(min(decoder.keep_target_rows, logits.shape[-1]))
-            values = top - lse[rows].unsqueeze(-1)
-            target_rows = SparseRows(rows.cpu(), values.cpu(), ids.cpu(), lse[rows].cpu())
+            kept = logits[rows]
+            values, ids = tempered_log_softmax(kept, temperature).topk(
+                min(decoder.keep_target_rows, logits.shape[-1])
+            )
+            lse = torch.logsumexp(_tempered(kept, temperature), dim=-1)
+            target_rows = SparseRows(rows.cpu(), values.cpu(), ids.cpu(), lse.cpu())
         timings["update"] = time.perf_counter() - tic
         keep_q = tree.draft_probs is not None and tree.iid_children
         record = StepRecord(

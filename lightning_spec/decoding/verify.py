@@ -33,6 +33,7 @@ __all__ = [
     "draw_uniforms",
     "inverse_cdf_sample",
     "verify_greedy",
+    "verify_greedy_argmax",
     "verify_sample",
 ]
 
@@ -67,7 +68,13 @@ def _check_rows(tree: DraftTree, rows: Tensor, name: str) -> None:
 def verify_greedy(tree: DraftTree, target_logits: Tensor) -> Verification:
     """Longest target-greedy match over the tree; `target_logits` is [N + 1, V]."""
     _check_rows(tree, target_logits, "target_logits")
-    argmax = target_logits.argmax(dim=-1)  # [N + 1]
+    return verify_greedy_argmax(tree, target_logits.argmax(dim=-1))
+
+
+def verify_greedy_argmax(tree: DraftTree, argmax: Tensor) -> Verification:
+    """`verify_greedy` from the target's argmax rows [N + 1] (when the caller has them)."""
+    if argmax.shape != (tree.num_nodes + 1,):
+        raise ValueError(f"argmax must be [N + 1] = [{tree.num_nodes + 1}], got {tuple(argmax.shape)}")
     n = tree.num_nodes
     if n == 0:
         return Verification(tree.tokens.new_zeros(0), int(argmax[0]))
