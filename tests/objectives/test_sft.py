@@ -14,8 +14,7 @@ from torch.utils.data import DataLoader
 from lightning_spec.callbacks.acceptance import AcceptanceEval
 from lightning_spec.callbacks.checkpoint import STATE_FILE, DrafterCheckpoint
 from lightning_spec.callbacks.plots import AcceptancePlot
-from lightning_spec.decoding.tree import TreeBatch
-from lightning_spec.decoding.tree import DraftTree
+from lightning_spec.decoding.tree import DraftTree, TreeBatch
 from lightning_spec.models.drafters.base import load_drafter
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
