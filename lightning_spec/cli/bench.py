@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibrate-prompts", type=int, default=3, help="with --tree auto: acceptance probe size"
     )
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument(
+        "--prepack",
+        action="store_true",
+        help="CPU fp32: prepack the target's and drafters' linear weights for oneDNN "
+        "(lightning_spec.models.packed); every method then runs on the prepacked models",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (recorded)")
     parser.add_argument(
         "--methods",
@@ -163,8 +169,20 @@ def main(argv: list[str] | None = None) -> int:
                 bigram_limit=args.bigram_limit,
                 seed=args.seed,
             )
+    prepacked: dict[str, int] = {}
+    if args.prepack:
+        from lightning_spec.models.packed import prepack_linears
+
+        try:
+            prepacked["target"] = prepack_linears(target.model)
+            for label, drafter in drafters.items():
+                prepacked[label] = prepack_linears(drafter)
+        except ValueError as error:
+            print(f"bench: --prepack: {error}", file=sys.stderr)
+            return 2
     config: dict[str, Any] = {
         "flags": dict(vars(args)),
+        "prepacked_linears": prepacked,
         "argv": list(sys.argv[1:] if argv is None else argv),
         "commit": git_commit(),
         "machine": machine,
