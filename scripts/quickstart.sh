@@ -6,7 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=runs/quickstart
-TREE="${QUICKSTART_TREE:-dynamic:6,10,32}"
+# The tree is chosen for this machine (--tree auto: measured cost curve x the drafter's measured
+# acceptance) and the target's and drafter's linear weights are prepacked for oneDNN, the CPU
+# fast path (BENCHMARKS.md section 6); QUICKSTART_TREE=dynamic:6,10,32 QUICKSTART_PREPACK= for
+# the earlier default.
+TREE="${QUICKSTART_TREE:-auto}"
+PREPACK="${QUICKSTART_PREPACK-"--prepack"}"
 bash scripts/setup.sh
 .venv/bin/lightning-spec assets
 if [ -e "$RUN" ]; then
@@ -15,6 +20,6 @@ if [ -e "$RUN" ]; then
 fi
 .venv/bin/lightning-spec fit --config configs/quickstart.yaml
 .venv/bin/lightning-spec bench --drafter "$RUN/drafter/last" --dataset mtbench --limit 20 \
-  --max-new-tokens 24 --tree "$TREE" --methods hf_generate,hf_prompt_lookup,speculative \
+  --max-new-tokens 24 --tree "$TREE" $PREPACK --methods hf_generate,hf_prompt_lookup,speculative \
   --no-progress --output "$RUN/bench.json" > /dev/null
 .venv/bin/python -m lightning_spec.cli.quickstart_report "$RUN" "$RUN/bench.json"

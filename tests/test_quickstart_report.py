@@ -80,3 +80,16 @@ def test_summary_fails_on_mismatch_and_on_missing_bench(tmp_path: Path, capsys) 
     run, bench = _write(tmp_path, mismatches=2)
     assert main([str(run), str(bench)]) == 1
     assert main([str(run), str(tmp_path / "none.json")]) == 2
+
+
+def test_summary_says_when_every_method_ran_prepacked(tmp_path: Path, capsys) -> None:
+    run, bench = _write(tmp_path)
+    assert main([str(run), str(bench)]) == 0
+    assert "prepacked" not in capsys.readouterr().out
+    result = json.loads(bench.read_text())
+    result["config"]["flags"]["prepack"] = True
+    bench.write_text(json.dumps(result))
+    assert main([str(run), str(bench)]) == 0
+    assert "HF generate included, ran on the target with its linear weights prepacked" in (
+        capsys.readouterr().out
+    )

@@ -73,6 +73,12 @@ def summary_lines(result: dict[str, Any], run_dir: Path, drafter_dir: Path) -> l
         "BENCHMARKS.md)",
         f"  greedy mismatches against the target's own output: {spec['mismatches']}",
     ]
+    if flags.get("prepack"):
+        lines.insert(
+            3,
+            "  (every method, HF generate included, ran on the target with its linear weights "
+            "prepacked for oneDNN: the CPU fast path, fp32, same greedy output)",
+        )
     info = mlflow_run_info(run_dir)
     if info.get("run_id"):
         lines.append(
