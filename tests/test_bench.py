@@ -137,6 +137,47 @@ def test_hf_baseline_ignores_the_model_generation_defaults(target: TargetModel) 
         target.model.generation_config = defaults
 
 
+def test_hf_generate_runs_the_default_path_beside_the_optimised_one(target: TargetModel) -> None:
+    """On a prepacked target hf_generate switches packing off (what a user has), the other
+    methods keep it on; every method still matches the target and reports its first token."""
+    import copy
+
+    from lightning_spec.models.packed import PackedLinear, prepack_linears
+
+    packed = copy.deepcopy(target)
+    prepack_linears(packed.model)
+    layer = next(m for m in packed.model.modules() if isinstance(m, PackedLinear))
+    seen: list[bool] = []
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(module.enabled))
+    runner = bench_runner._Runner(
+        packed, {}, None, max_new_tokens=6, temperature=0.0, seed=0, stop_on_eos=False,
+        prompt_lookup_num_tokens=4, max_matching_ngram_size=2,
+    )  # fmt: skip
+    prompt = list(range(5, 15))
+    reference = autoregressive_generate(packed, prompt, 6, stop_on_eos=False)
+    try:
+        for method, enabled in (
+            ("hf_generate", False),
+            ("hf_generate_optimized", True),
+            ("hf_prompt_lookup", True),
+            ("autoregressive", True),
+        ):
+            seen.clear()
+            result = runner.run(method, prompt, 0)
+            assert result.tokens == reference, method
+            assert seen and set(seen) == {enabled}, method
+            assert 0 < result.first_token_seconds <= result.seconds, method
+    finally:
+        handle.remove()
+    assert layer.enabled
+    assert "hf_generate_optimized" in bench_runner.default_methods(packed)
+    assert "hf_generate_optimized" not in bench_runner.default_methods(target)
+    with pytest.raises(ValueError, match="optimised target"):
+        bench_runner.run_bench(
+            target, None, None, {"toy": _prompts(1)}, methods=["hf_generate_optimized"]
+        )
+
+
 def test_random_drafter_accepts_almost_nothing(target: TargetModel) -> None:
     drafter = Eagle3Drafter.from_target(target, seed=3)
     result = bench_runner.run_bench(

@@ -5,7 +5,12 @@ tokens and temperature:
 
 * ``autoregressive``: our own KV-cache loop (`autoregressive_generate`), the losslessness
   reference and the speed baseline;
-* ``hf_generate``: Hugging Face ``generate`` (greedy, or plain sampling at T > 0);
+* ``hf_generate``: Hugging Face ``generate`` (greedy, or plain sampling at T > 0) on the target
+  as loaded: what a user has. When the run optimises the target (``bench --prepack``), this
+  method switches the optimisation off for its own calls (`models.packed.packing`), so the
+  default path and the optimised one are measured side by side on one loaded model;
+* ``hf_generate_optimized``: the same HF ``generate`` on the optimised target our decoder runs
+  (only with an optimised target): the kernel gain apart from the algorithmic one;
 * ``hf_prompt_lookup``: Hugging Face prompt-lookup decoding (n-gram drafts copied from the
   prompt, no drafter model), a strong free baseline on inputs that get quoted back;
 * ``speculative``: our `SpeculativeDecoder` with the chosen drafter(s) and tree policy.
@@ -18,6 +23,9 @@ before starting (a loud warning when another job is running), speedups are media
 ratios and ratios of totals with 95% bootstrap intervals over prompts, and greedy equality with
 the target is checked in the same run (`mismatches`, with the position and the target's top-2
 logit gap when it happens, so a floating-point near-tie is told apart from a bug).
+
+Every method also reports the time to its first new token (``first_token_seconds``: the
+prefill forward and the first choice; for HF the moment its streamer receives the first token).
 
 tau = tokens committed per target verification (accepted drafts + 1 bonus token), pooled over
 steps; the prefill's first token is not a verification. For HF prompt lookup tau is estimated
@@ -42,9 +50,16 @@ from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_ge
 from lightning_spec.metrics import attempted_depth
 from lightning_spec.specs import PromptItem
 
-__all__ = ["METHODS", "MethodResult", "mismatch_detail", "run_bench"]
+__all__ = ["HF_METHODS", "METHODS", "MethodResult", "default_methods", "mismatch_detail", "run_bench"]
 
-METHODS: tuple[str, ...] = ("autoregressive", "hf_generate", "hf_prompt_lookup", "speculative")
+METHODS: tuple[str, ...] = (
+    "autoregressive",
+    "hf_generate",
+    "hf_generate_optimized",
+    "hf_prompt_lookup",
+    "speculative",
+)
+HF_METHODS: tuple[str, ...] = ("hf_generate", "hf_generate_optimized", "hf_prompt_lookup")
 
 
 # ---------------------------------------------------------------------------------- methods
@@ -61,6 +76,8 @@ class MethodResult:
     tree_depths: list[int] = field(default_factory=list)
     split: dict[str, float] = field(default_factory=dict)
     """Seconds by phase (prefill, draft, verify, update) for the speculative decoder."""
+    first_token_seconds: float | None = None
+    """From the call to the first new token (time to first token)."""
 
 
 class _ForwardCounter:
@@ -75,6 +92,26 @@ class _ForwardCounter:
 
     def remove(self) -> None:
         self.handle.remove()
+
+
+class _FirstTokenClock:
+    """An HF streamer that only notes when the first new token arrives.
+
+    `generate` puts the prompt first, then the new tokens as they are chosen (prompt lookup puts
+    each verified block): the second `put` is the first token.
+    """
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2 and self.first is None:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        return None
 
 
 def _sync(device: torch.device) -> None:
@@ -142,6 +179,7 @@ class _Runner:
         device = self.target.device
         _sync(device)
         if method == "autoregressive":
+            timings: dict[str, float] = {}
             tic = time.perf_counter()
             tokens = autoregressive_generate(
                 self.target,
@@ -150,11 +188,14 @@ class _Runner:
                 temperature=self.temperature,
                 generator=self._generator(index),
                 stop_on_eos=self.stop_on_eos,
+                timings=timings,
             )
             _sync(device)
-            return MethodResult(tokens, time.perf_counter() - tic)
-        if method in ("hf_generate", "hf_prompt_lookup"):
-            return self._run_hf(prompt, index, limit, lookup=method == "hf_prompt_lookup")
+            return MethodResult(
+                tokens, time.perf_counter() - tic, first_token_seconds=timings.get("first_token")
+            )
+        if method in HF_METHODS:
+            return self._run_hf(prompt, index, limit, method)
         if method in self.decoders:
             decoder = self.decoders[method]
             tic = time.perf_counter()
@@ -170,6 +211,7 @@ class _Runner:
             return MethodResult(
                 result.tokens,
                 seconds,
+                first_token_seconds=result.prefill_seconds,
                 split=split,
                 steps=len(result.records),
                 committed=sum(len(r.committed) for r in result.records),
@@ -179,10 +221,16 @@ class _Runner:
         raise ValueError(f"unknown method {method!r}")
 
     @torch.no_grad()
-    def _run_hf(self, prompt: list[int], index: int, limit: int, *, lookup: bool) -> MethodResult:
+    def _run_hf(self, prompt: list[int], index: int, limit: int, method: str) -> MethodResult:
         from transformers import GenerationConfig
 
+        from lightning_spec.models.packed import packing
+
         model = self.target.model
+        lookup = method == "hf_prompt_lookup"
+        # hf_generate is the default path a user has: the optimisation is switched off for it
+        # (a no-op on a target that was not optimised); the other HF methods run as loaded.
+        optimised = method != "hf_generate"
         sampling = self.temperature > 0
         options: dict[str, Any] = {
             "max_new_tokens": limit,
@@ -200,18 +248,23 @@ class _Runner:
         ids = torch.tensor([prompt], device=self.target.device)
         torch.manual_seed(self.seed + index)  # HF samples from the global generator
         counter = _ForwardCounter(model)
+        clock = _FirstTokenClock()
         try:
-            with _plain_generation_defaults(model):
+            with _plain_generation_defaults(model), packing(model, optimised):
                 tic = time.perf_counter()
                 output = model.generate(
-                    ids, attention_mask=torch.ones_like(ids), generation_config=config
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    generation_config=config,
+                    streamer=clock,
                 )
                 _sync(self.target.device)
                 seconds = time.perf_counter() - tic
         finally:
             counter.remove()
         tokens = output[0, len(prompt) :].tolist()
-        return MethodResult(tokens, seconds, forwards=counter.count)
+        first = None if clock.first is None else clock.first - tic
+        return MethodResult(tokens, seconds, forwards=counter.count, first_token_seconds=first)
 
 
 def _first_difference(reference: Sequence[int], output: Sequence[int]) -> int | None:
@@ -260,6 +313,14 @@ def mismatch_detail(
 
 
 # ---------------------------------------------------------------------------------- the run
+def default_methods(target: Any) -> list[str]:
+    """Every method that applies: `hf_generate_optimized` only when the target is optimised."""
+    from lightning_spec.models.packed import is_prepacked
+
+    optimised = is_prepacked(target.model)
+    return [m for m in METHODS if m != "hf_generate_optimized" or optimised]
+
+
 def _method_names(methods: Sequence[str], drafter_names: Sequence[str]) -> list[str]:
     names: list[str] = []
     for method in methods:
@@ -280,7 +341,7 @@ def run_bench(
     policy: TreePolicy | str | None,
     datasets: dict[str, list[PromptItem]],
     *,
-    methods: Sequence[str] = METHODS,
+    methods: Sequence[str] | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     seed: int = 0,
@@ -296,11 +357,12 @@ def run_bench(
     """Measure every method on every prompt, interleaved per prompt, and summarise.
 
     `drafter` is one drafter (method ``speculative``) or a dict label -> drafter (methods
-    ``speculative:<label>``). `datasets` maps a name to (prompt ids, meta) pairs; a meta
+    ``speculative:<label>``); `methods` defaults to `default_methods(target)`. `datasets` maps a name to (prompt ids, meta) pairs; a meta
     ``category`` gives per-category rows. Returns ``{"config", "rows", "per_prompt"}``.
     """
     if order not in ("rotate", "fixed"):
         raise ValueError("order must be rotate or fixed")
+    methods = default_methods(target) if methods is None else list(methods)
     if temperature < 0:
         raise ValueError("temperature must be >= 0")
     tree_spec = policy if isinstance(policy, str) else _policy_spec(policy)
@@ -315,6 +377,14 @@ def run_bench(
     if "speculative" in methods and (not drafters or policy is None):
         raise ValueError("the speculative method needs a drafter and a tree policy")
     names = _method_names(methods, list(drafters) if "speculative" in methods else [])
+    if "hf_generate_optimized" in names:
+        from lightning_spec.models.packed import is_prepacked
+
+        if not is_prepacked(target.model):
+            raise ValueError(
+                "hf_generate_optimized needs an optimised target (bench --prepack); without "
+                "one it would only repeat hf_generate"
+            )
     runner = _Runner(
         target,
         drafters if "speculative" in methods else {},
@@ -437,6 +507,8 @@ def _result_entry(result: MethodResult, detail: dict[str, Any] | None, greedy: b
         entry["accept_lengths"] = result.accept_lengths
         entry["tree_depths"] = result.tree_depths
         entry["seconds_by_phase"] = {k: round(v, 6) for k, v in result.split.items()}
+    if result.first_token_seconds is not None:
+        entry["first_token_seconds"] = result.first_token_seconds
     return entry
 
 

@@ -78,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (recorded)")
     parser.add_argument(
         "--methods",
-        default=",".join(METHODS),
-        help=f"comma-separated subset of {','.join(METHODS)}",
+        default=None,
+        help=f"comma-separated subset of {','.join(METHODS)} (default: all; "
+        "hf_generate_optimized only with --prepack)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="prompts run first and discarded")
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info(args.dtype)
     if warn_if_busy(machine) and args.require_idle:
         return 3
-    methods = _split([args.methods], ",".join(METHODS))
+    default = [m for m in METHODS if m != "hf_generate_optimized" or args.prepack]
+    methods = _split([args.methods] if args.methods else None, ",".join(default))
     dataset_specs = _split(args.dataset, "mtbench")
     drafter_specs = args.drafter or []
     if "speculative" in methods and not drafter_specs:
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         else:  # an optimisation, not a requirement: GPU or bf16 runs go on without it
             prepacked["skipped"] = reason
             print(f"bench: --prepack skipped: {reason}", file=sys.stderr)
+            if not args.methods and "hf_generate_optimized" in methods:
+                methods.remove("hf_generate_optimized")  # nothing optimised to compare
     config: dict[str, Any] = {
         "flags": dict(vars(args)),
         "prepacked_linears": prepacked,

@@ -305,8 +305,12 @@ class DecodeSession:
         if self.max_new_tokens <= 0:
             return
         needs_features = decoder.drafter.needs_features or decoder.keep_features
+        # Only the last row's logits are used: the lm_head over the whole prompt (49k x 576 per
+        # token on SmolLM2) would be most of the time to first token.
         output = target(
-            torch.tensor([prompt], device=target.device), output_features=needs_features
+            torch.tensor([prompt], device=target.device),
+            output_features=needs_features,
+            logits_to_keep=1,
         )
         self.cache = output.cache
         first = _choose(output.logits[0, -1], temperature, generator)
@@ -550,15 +554,25 @@ def autoregressive_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     stop_on_eos: bool = True,
+    timings: dict[str, float] | None = None,
 ) -> list[int]:
-    """Plain decoding with our own KV-cache loop: the reference for losslessness and speed."""
+    """Plain decoding with our own KV-cache loop: the reference for losslessness and speed.
+
+    `timings`, when given, receives ``first_token``: seconds from the call to the first chosen
+    token (the prefill forward; time to first token in benches).
+    """
     device = target.device
     eos = target.eos_token_ids
-    output = target(torch.tensor([list(prompt_ids)], device=device), output_features=False)
+    tic = time.perf_counter()
+    output = target(
+        torch.tensor([list(prompt_ids)], device=device), output_features=False, logits_to_keep=1
+    )
     cache = output.cache
     tokens: list[int] = []
     while True:
         token = _choose(output.logits[0, -1], temperature, generator)
+        if timings is not None and not tokens:
+            timings["first_token"] = time.perf_counter() - tic
         tokens.append(token)
         if len(tokens) >= max_new_tokens or (stop_on_eos and token in eos):
             return tokens

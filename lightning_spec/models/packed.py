@@ -15,10 +15,20 @@ packed copy is inference-only: it is not saved, not trained and not moved betwee
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["PackedLinear", "prepack_linears", "prepack_unavailable_reason"]
+__all__ = [
+    "PackedLinear",
+    "is_prepacked",
+    "packing",
+    "prepack_linears",
+    "prepack_unavailable_reason",
+]
 
 DEFAULT_ROWS_HINT = 32
 """Batch-size hint for the reorder: tree verification feeds up to a few dozen rows."""
@@ -53,8 +63,12 @@ class PackedLinear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias, persistent=False)
         self.weight = linear.weight  # kept for code that reads it (tied embeddings, shapes)
+        self.enabled = True
+        """False: run the plain `F.linear` on the original weight (see `packing`)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
         leading = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if not flat.is_contiguous():
@@ -83,3 +97,27 @@ def prepack_linears(module: nn.Module, rows_hint: int = DEFAULT_ROWS_HINT) -> in
                 count += 1
         del name
     return count
+
+
+def is_prepacked(module: nn.Module) -> bool:
+    """Whether any linear inside `module` is a `PackedLinear`."""
+    return any(isinstance(sub, PackedLinear) for sub in module.modules())
+
+
+@contextlib.contextmanager
+def packing(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Run `module` with its packed linears on (`enabled`) or off, restoring them afterwards.
+
+    Off means the default `F.linear` path on the very same weights: one loaded target serves
+    as both "the model a user has" and "our optimised model" side by side in one bench run,
+    without a second 500 MB copy.
+    """
+    layers = [sub for sub in module.modules() if isinstance(sub, PackedLinear)]
+    saved = [layer.enabled for layer in layers]
+    for layer in layers:
+        layer.enabled = enabled
+    try:
+        yield
+    finally:
+        for layer, state in zip(layers, saved, strict=True):
+            layer.enabled = state

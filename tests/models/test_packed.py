@@ -12,7 +12,13 @@ from torch import nn
 from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
-from lightning_spec.models.packed import PackedLinear, prepack_linears, prepack_unavailable_reason
+from lightning_spec.models.packed import (
+    PackedLinear,
+    is_prepacked,
+    packing,
+    prepack_linears,
+    prepack_unavailable_reason,
+)
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
 
@@ -55,6 +61,26 @@ def test_packed_target_decodes_like_the_target() -> None:
     prepack_linears(drafter)
     decoder = SpeculativeDecoder(packed, drafter, parse_tree_spec("dynamic:3,3,8"))
     assert decoder.generate(prompt, 24).tokens == autoregressive_generate(packed, prompt, 24)
+
+
+def test_packing_switches_back_to_the_default_path_and_restores() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    x = torch.randn(3, 16)
+    expected = model(x)
+    assert not is_prepacked(model)
+    prepack_linears(model)
+    assert is_prepacked(model)
+
+    with packing(model, False):
+        assert all(not m.enabled for m in model.modules() if isinstance(m, PackedLinear))
+        # bit-identical to the unpacked model: the same F.linear on the same weights
+        assert torch.equal(model(x), expected)
+    assert all(m.enabled for m in model.modules() if isinstance(m, PackedLinear))
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError), packing(model, False):
+        raise RuntimeError("restored even on error")
+    assert all(m.enabled for m in model.modules() if isinstance(m, PackedLinear))
 
 
 def test_prepack_refuses_what_it_cannot_keep_exact() -> None:
