@@ -401,6 +401,21 @@ def test_cli_tree_auto(cli_inputs: tuple[Path, Path], tmp_path: Path) -> None:
     assert config["tree"] == config["calibration"]["suggestion"]["policy"]
 
 
+def test_generate_cli_plain_decoding_on_the_prepacked_target(
+    cli_inputs: tuple[Path, Path], capsys
+) -> None:
+    """`generate --drafter none --prepack`: plain decoding on the optimised target, a product
+    feature of its own; with a drafter the output still equals the target's greedy decode."""
+    from lightning_spec.cli import generate as generate_cli
+
+    folder, _ = cli_inputs
+    common = ["--target", str(folder), "--prompt", "w5 w6 w7", "--max-new-tokens", "6"]
+    assert generate_cli.main([*common, "--drafter", "none", "--prepack"]) == 0
+    assert "plain decoding, no drafter, prepacked target" in capsys.readouterr().out
+    assert generate_cli.main([*common, "--drafter", "self", "--prepack", "--tree", "chain:2"]) == 0
+    assert "speculative output equals it" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------ real SmolLM2
 def _smollm2() -> TargetModel:
     from lightning_spec.data.assets import AssetError, asset_path, default_target_path

@@ -4,6 +4,10 @@ The smallest end-to-end use of the product: load a target (default: the embedded
 a drafter (a folder, `self`, `random` or `bigram:...`: the spellings of `lightning_spec.specs`),
 decode a chat prompt, print the answer, tau, the time taken and whether the output equals the
 target's own greedy decode (at T=0 it must).
+
+``--drafter none`` decodes without a drafter, with our plain KV-cache loop; with ``--prepack``
+(CPU fp32: the target's linear weights prepacked for oneDNN, `models.packed`) that alone is a
+speedup over the default path, reported separately in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -22,8 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drafter",
         default="self",
-        help="drafter folder, `self` (target drafts for itself), `random` (untrained head) or "
-        "`bigram:<folder|data source>`",
+        help="drafter folder, `self` (target drafts for itself), `random` (untrained head), "
+        "`bigram:<folder|data source>` or `none` (plain decoding, no drafter)",
+    )
+    parser.add_argument(
+        "--prepack",
+        action="store_true",
+        help="CPU fp32: prepack the target's and drafter's linear weights for oneDNN (faster, "
+        "same greedy output); skipped with a message where it cannot run",
     )
     parser.add_argument("--tree", default="chain:4", help="chain:K | static:NAME | dynamic:D,K,T")
     parser.add_argument("--prompt", default="Explain speculative decoding in two sentences.")
@@ -49,11 +59,25 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     target = specs.resolve_target(args.target, args.dtype)
-    drafter = specs.resolve_drafter(args.drafter, target)
-    policy = specs.resolve_tree(args.tree)
+    drafter = None if args.drafter == "none" else specs.resolve_drafter(args.drafter, target)
+    if args.prepack:
+        _prepack(target, drafter)
     prompt = render_prompt(target.tokenizer, [{"role": "user", "content": args.prompt}])
-    decoder = SpeculativeDecoder(target, drafter, policy, temperature=args.temperature)
     generator = torch.Generator().manual_seed(args.seed)
+    if drafter is None:
+        tic = time.perf_counter()
+        tokens = autoregressive_generate(
+            target, prompt, args.max_new_tokens, temperature=args.temperature, generator=generator
+        )
+        seconds = time.perf_counter() - tic
+        print(target.tokenizer.decode(tokens, skip_special_tokens=True).strip())
+        print(
+            f"\n[{len(tokens)} tokens in {seconds:.2f} s ({len(tokens) / seconds:.1f} tok/s), "
+            f"plain decoding, no drafter{', prepacked target' if args.prepack else ''}]"
+        )
+        return 0
+    policy = specs.resolve_tree(args.tree)
+    decoder = SpeculativeDecoder(target, drafter, policy, temperature=args.temperature)
     result = decoder.generate(prompt, args.max_new_tokens, generator=generator)
     print(target.tokenizer.decode(result.tokens, skip_special_tokens=True).strip())
     print(
@@ -72,3 +96,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if same else 1
     return 0
+
+
+def _prepack(target: object, drafter: object | None) -> None:
+    """Prepack where it can run; say why not where it cannot (an optimisation, not a must)."""
+    import sys
+
+    from lightning_spec.models.packed import prepack_linears, prepack_unavailable_reason
+
+    for name, module in (("target", target.model), ("drafter", drafter)):  # type: ignore[attr-defined]
+        if module is None:
+            continue
+        reason = prepack_unavailable_reason(module)
+        if reason is None:
+            prepack_linears(module)
+        else:
+            print(f"generate: --prepack skipped for the {name}: {reason}", file=sys.stderr)
