@@ -385,20 +385,51 @@ def test_cli_end_to_end(cli_inputs: tuple[Path, Path], tmp_path: Path) -> None:
     assert output.with_suffix(".md").is_file()
 
 
-def test_cli_tree_auto(cli_inputs: tuple[Path, Path], tmp_path: Path) -> None:
+def test_cli_tree_auto(
+    cli_inputs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--tree auto calibrates once, then reuses the calibration cached for this machine and
+    drafter; --recalibrate measures afresh."""
+    monkeypatch.setenv("LIGHTNING_SPEC_CACHE", str(tmp_path / "cache"))
     folder, data = cli_inputs
     output = tmp_path / "auto.json"
-    code = bench_cli.main(
-        [
-            "--target", str(folder), "--drafter", "self", "--dataset", str(data),
-            "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--calibrate-prompts", "1",
-            "--methods", "autoregressive,speculative", "--threads", "1", "--warmup", "0",
-            "--bootstrap", "100", "--no-progress", "--output", str(output),
-        ]
-    )  # fmt: skip
-    assert code == 0
-    config = json.loads(output.read_text())["config"]
-    assert config["tree"] == config["calibration"]["suggestion"]["policy"]
+    argv = [
+        "--target", str(folder), "--drafter", "self", "--dataset", str(data),
+        "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--calibrate-prompts", "1",
+        "--methods", "autoregressive,speculative", "--threads", "1", "--warmup", "0",
+        "--bootstrap", "100", "--no-progress", "--output", str(output),
+    ]  # fmt: skip
+    assert bench_cli.main(argv) == 0
+    first = json.loads(output.read_text())["config"]
+    assert first["tree"] == first["calibration"]["suggestion"]["policy"]
+    assert "cached" not in first["calibration"]
+    stored = list((tmp_path / "cache" / "calibration").glob("*.json"))
+    assert [p.stem for p in stored] == [first["calibration"]["key"]]
+    assert bench_cli.main(argv) == 0
+    second = json.loads(output.read_text())["config"]
+    assert second["calibration"]["cached"] == str(stored[0])
+    assert second["tree"] == first["tree"]
+    assert second["calibration"]["cost_curve"] == first["calibration"]["cost_curve"]
+    assert bench_cli.main([*argv, "--recalibrate"]) == 0
+    assert "cached" not in json.loads(output.read_text())["config"]["calibration"]
+
+
+def test_calibration_key_follows_machine_and_drafter(target: TargetModel) -> None:
+    from lightning_spec.bench import calibration_cache as cache
+
+    machine = cache.machine_fingerprint(threads=2, dtype="fp32", prepacked=False)
+    drafter = StandaloneDrafter.from_model(
+        TargetModel.from_config(tiny_config("llama", num_layers=1), seed=3).model
+    )
+    key, identity = cache.calibration_key(machine, target.model, drafter, {"prompts": 3})
+    assert key == cache.calibration_key(machine, target.model, drafter, {"prompts": 3})[0]
+    assert identity["machine"]["threads"] == 2
+    packed_machine = {**machine, "prepacked": True}
+    assert cache.calibration_key(packed_machine, target.model, drafter, {"prompts": 3})[0] != key
+    assert cache.calibration_key(machine, target.model, drafter, {"prompts": 4})[0] != key
+    with torch.no_grad():
+        next(drafter.parameters()).add_(1e-3)  # a retrained drafter
+    assert cache.calibration_key(machine, target.model, drafter, {"prompts": 3})[0] != key
 
 
 def test_generate_cli_plain_decoding_on_the_prepacked_target(

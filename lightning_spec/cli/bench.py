@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--calibrate-prompts", type=int, default=3, help="with --tree auto: acceptance probe size"
     )
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="with --tree auto: ignore the calibration cached for this machine and drafter",
+    )
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument(
         "--prepack",
@@ -234,24 +239,55 @@ def _auto_tree(
     drafters: dict[str, Any],
     datasets: dict[str, list[PromptItem]],
 ) -> tuple[str, dict[str, Any]]:
-    """`--tree auto`: one policy for all drafters, from a saved or fresh calibration of the
-    first drafter (the same policy for every method keeps the comparison fair)."""
-    from lightning_spec.bench import calibrate
+    """`--tree auto`: one policy for all drafters, from a saved, cached or fresh calibration of
+    the first drafter (the same policy for every method keeps the comparison fair).
 
+    Fresh calibrations are cached per machine, threads, dtype, prepacking, target, drafter and
+    probe settings (`bench.calibration_cache`) and reused until one of those changes.
+    """
+    from lightning_spec.bench import calibrate, calibration_cache
+    from lightning_spec.models.packed import is_prepacked
+
+    drafter = next(iter(drafters.values()))
     if args.calibration:
         data = json.loads(Path(args.calibration).read_text())
-        spec, speedup, table = calibrate.suggestion_from_calibration(data)
+        spec, speedup, _ = calibrate.suggestion_from_calibration(data)
         calibration = {"source": args.calibration, "suggestion": spec, "expected_speedup": speedup}
+        print(f"bench: --tree auto -> {spec} (modelled speedup {speedup:.2f}x)", file=sys.stderr)
+        return spec, calibration
+    first_name, first = next(iter(datasets.items()))
+    machine = calibration_cache.machine_fingerprint(
+        threads=args.threads, dtype=args.dtype, prepacked=is_prepacked(target.model)
+    )
+    settings = {
+        "dataset": first_name,
+        "prompts": args.calibrate_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+    }
+    key, identity = calibration_cache.calibration_key(machine, target.model, drafter, settings)
+    cached = None if args.recalibrate else calibration_cache.load_calibration(key)
+    if cached is not None:
+        calibration = dict(cached["calibration"])
+        calibration["cached"] = cached["path"]
+        origin = f"cached calibration {cached['path']}; --recalibrate for a fresh one"
     else:
-        first = next(iter(datasets.values()))
         prompts = [ids for ids, _ in first[: args.calibrate_prompts]]
-        drafter = next(iter(drafters.values()))
         calibration = calibrate.calibrate(
             target, drafter, prompts, max_new_tokens=args.max_new_tokens, seed=args.seed
         )
-        spec = calibration["suggestion"]["policy"]
-        speedup = calibration["suggestion"]["expected_speedup"]
-    print(f"bench: --tree auto -> {spec} (modelled speedup {speedup:.2f}x)", file=sys.stderr)
+        try:
+            path = calibration_cache.save_calibration(key, identity, calibration)
+            origin = f"calibrated now, cached in {path}"
+        except OSError as error:  # a read-only cache costs a recalibration next time, no more
+            origin = f"calibrated now (not cached: {error})"
+    calibration["key"] = key
+    spec = calibration["suggestion"]["policy"]
+    speedup = calibration["suggestion"]["expected_speedup"]
+    print(
+        f"bench: --tree auto -> {spec} (modelled speedup {speedup:.2f}x; {origin})",
+        file=sys.stderr,
+    )
     return spec, calibration
 
 
