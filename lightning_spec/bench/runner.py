@@ -50,7 +50,14 @@ from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_ge
 from lightning_spec.metrics import attempted_depth
 from lightning_spec.specs import PromptItem
 
-__all__ = ["HF_METHODS", "METHODS", "MethodResult", "default_methods", "mismatch_detail", "run_bench"]
+__all__ = [
+    "HF_METHODS",
+    "METHODS",
+    "MethodResult",
+    "default_methods",
+    "mismatch_detail",
+    "run_bench",
+]
 
 METHODS: tuple[str, ...] = (
     "autoregressive",
