@@ -11,7 +11,8 @@ Sections:
 2. vocabularies (restriction of target logits to a reduced draft vocabulary)
 3. distribution matching (soft cross-entropy, forward KL, top-1 agreement)
 4. EAGLE-3 training-time test (per-step weighting); paper: EAGLE-3, Li et al. 2025
-Objectives added later (GTO tree rewards, Draft-OPD) go below, in sections of their own.
+5. GTO: tree rewards, debiasing, group advantages, the clipped surrogate; arXiv 2509.22134
+Objectives added later (Draft-OPD) go below, in sections of their own.
 """
 
 from __future__ import annotations
@@ -20,9 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_spec.decoding.acceptance import branch_values_from_factors, tree_reward
+from lightning_spec.decoding.tree import DraftTree
+
 __all__ = [
+    "clipped_surrogate",
+    "debiased_rewards",
+    "gto_tree_reward",
+    "group_advantages",
     "kl_divergence",
     "masked_mean",
+    "sequence_ratio",
     "restrict_to_draft_vocab",
     "soft_cross_entropy",
     "top1_matches",
@@ -123,3 +132,85 @@ def ttt_total_loss(*, step_losses: Tensor, decay: float) -> Tensor:
     """sum_k decay**k * loss_k over the per-step losses [K] (a stacked 1-D tensor)."""
     weights = ttt_weights(steps=step_losses.shape[0], decay=decay).to(step_losses.device)
     return (weights * step_losses.float()).sum()
+
+
+# --------------------------------------------------------------------------------------------
+# 5. GTO (ALGORITHMS.md section 2)
+# --------------------------------------------------------------------------------------------
+
+
+def gto_tree_reward(
+    *, tree: DraftTree, factors: Tensor, aggregation: str = "lse", eta: float = 1.0
+) -> Tensor:
+    """The reward of one draft tree: an aggregation of its branch values (a 0-d tensor).
+
+    `factors` [N] = p_T(node token | parent context) (e.g. `TreeScores.token_logprobs.exp()`).
+    Branch value L_i = sum_{v on branch i} prod_{u on path(v)} p(u), the expected number of
+    accepted tokens along root-to-leaf branch i (`decoding.acceptance`, the decoder's own
+    definition). ``lse``: (1/eta) log sum_i exp(eta L_i), a smooth maximum with
+    max_i L_i <= r <= max_i L_i + log(num_leaves) / eta; ``max``, ``mean``: ablations. A tree
+    without nodes scores 0.
+    """
+    if factors.shape[0] == 0:
+        return factors.new_zeros(())
+    values = branch_values_from_factors(tree, factors)
+    return tree_reward(values, aggregation, eta)  # type: ignore[arg-type]
+
+
+def debiased_rewards(*, rewards: Tensor, reference_rewards: Tensor, enabled: bool = True) -> Tensor:
+    """R = r - rbar: the tree reward of the current drafter minus the frozen reference's at the
+    same prefix, so an advantage measures what training changed, not how easy the prefix is.
+    `enabled=False` (the ablation) returns `rewards`."""
+    if rewards.shape != reference_rewards.shape:
+        raise ValueError(
+            f"rewards {tuple(rewards.shape)} and reference {tuple(reference_rewards.shape)} differ"
+        )
+    return rewards - reference_rewards if enabled else rewards
+
+
+def group_advantages(*, rewards: Tensor, delta: float = 1e-6) -> Tensor:
+    """[G, m] group-standardised advantages (R - mean_group) / (std_group + delta).
+
+    The standard deviation is the population one (over the m members). A group whose rewards
+    are all equal carries no signal: its advantages are exactly 0.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [groups, m], got {tuple(rewards.shape)}")
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, correction=0, keepdim=True)
+    return (rewards - mean) / (std + delta)
+
+
+def sequence_ratio(*, logprobs: Tensor, reference_logprobs: Tensor, lengths: Tensor) -> Tensor:
+    """[P] per-token geometric-mean ratio s = exp((log M(S) - log M0(S)) / max(l, 1)).
+
+    `logprobs`, `reference_logprobs` [P, l] per-token log-probs of the longest accepted
+    sequence S of each prefix under the current and the reference drafter (0 beyond `lengths`
+    [P]). An empty S gives s = 1 (no gradient: nothing to reinforce or discourage).
+    """
+    width = logprobs.shape[1]
+    valid = torch.arange(width, device=logprobs.device).unsqueeze(0) < lengths.unsqueeze(1)
+    difference = torch.where(valid, logprobs - reference_logprobs, torch.zeros_like(logprobs))
+    return torch.exp(difference.sum(dim=1) / lengths.clamp_min(1).to(logprobs.dtype))
+
+
+def clipped_surrogate(
+    *, ratio: Tensor, advantages: Tensor, eps: float = 0.2
+) -> tuple[Tensor, Tensor]:
+    """(L_GTO, clip fraction): -mean min(s A, clip(s, 1 - eps, 1 + eps) A) over prefixes.
+
+    PPO's pessimistic bound: beyond the clip boundary in the direction the advantage pushes,
+    the gradient is 0. The clip fraction counts prefixes where the clipped term is the active
+    one (its share of the batch), a measure of how far the drafter has moved per step.
+    """
+    if ratio.shape != advantages.shape:
+        raise ValueError(f"ratio {tuple(ratio.shape)} and advantages {tuple(advantages.shape)}")
+    if ratio.numel() == 0:
+        zero = ratio.sum() * 0.0
+        return zero, zero.detach()
+    clipped = ratio.clamp(1.0 - eps, 1.0 + eps)
+    unclipped_term = ratio * advantages
+    clipped_term = clipped * advantages
+    loss = -torch.minimum(unclipped_term, clipped_term).mean()
+    active = (clipped_term < unclipped_term).float().mean()
+    return loss, active.detach()
