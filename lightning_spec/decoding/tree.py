@@ -16,6 +16,7 @@ is i or one of its ancestors; position ids follow depth so every branch sees ord
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -175,6 +176,27 @@ class DraftTree:
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+    def follow(self, tokens: Sequence[int]) -> list[int]:
+        """Node indices of the longest prefix of `tokens` that is a path from the root (a
+        chain drafted elsewhere, e.g. the drafter's greedy chain, looked up in this tree)."""
+        parents, own = self.parents.tolist(), self.tokens.tolist()
+        path: list[int] = []
+        node = -1
+        for token in tokens:
+            child = next(
+                (
+                    i
+                    for i, (p, t) in enumerate(zip(parents, own, strict=True))
+                    if p == node and t == token
+                ),
+                None,
+            )
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node index lists, one per leaf in ascending leaf index order."""
