@@ -26,9 +26,17 @@ def test_config_instantiates(path: Path, tiny_cli_assets: dict[str, str], tmp_pa
 
     from lightning_spec.cli import lightning_cli
 
+    import yaml
+
+    model_args = yaml.safe_load(path.read_text())["model"].get("init_args", {})
+    if model_args.get("drafter_init"):
+        # configs that start from a trained drafter get a tiny one for the tiny target
+        start = [f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}"]
+    else:
+        start = [f"--model.init_args.draft_vocab_size={tiny_cli_assets['vocab']}"]
     overrides = [
         f"--model.init_args.target={tiny_cli_assets['model']}",
-        f"--model.init_args.draft_vocab_size={tiny_cli_assets['vocab']}",
+        *start,
         f"--model.init_args.cache_dir={tmp_path / 'cache'}",
         f"--data.init_args.target={tiny_cli_assets['model']}",
         f"--data.init_args.dataset={tiny_cli_assets['chats']}",
@@ -42,6 +50,16 @@ def test_config_instantiates(path: Path, tiny_cli_assets: dict[str, str], tmp_pa
     assert isinstance(cli.datamodule, LightningDataModule)
     assert isinstance(cli.trainer, Trainer)
     assert cli.trainer.callbacks, "configs attach the acceptance/checkpoint callbacks"
+
+
+def _tiny_drafter(assets: dict[str, str], root: Path) -> Path:
+    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+    from lightning_spec.models.target import load_target
+
+    target = load_target(assets["model"])
+    folder = root / "drafter"
+    Eagle3Drafter.from_target(target, draft_vocab_size=target.vocab_size).save_pretrained(folder)
+    return folder
 
 
 def test_bad_config_fails_clearly(tmp_path: Path) -> None:
@@ -86,3 +104,43 @@ def test_cli_fit_runs_and_saves_its_config(tiny_cli_assets: dict[str, str], tmp_
     assert code == 0
     assert (run / "config.yaml").is_file()
     assert (run / "drafter" / "last" / "model.safetensors").is_file()
+
+
+def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
+    """`lightning-spec fit --config configs/gto.yaml` end to end (tiny target and drafter, 2
+    steps, a small tree): GTO runs through the CLI, validates, saves and registers its drafter."""
+    from mlflow.tracking import MlflowClient
+
+    from lightning_spec.cli import main
+    from lightning_spec.tracking import default_tracking_uri
+
+    run = tmp_path / "run"
+    code = main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "gto.yaml"),
+            f"--model.init_args.target={tiny_cli_assets['model']}",
+            f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
+            "--model.init_args.tree=dynamic:2,2,4",
+            "--model.init_args.group_size=2",
+            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
+            f"--data.init_args.target={tiny_cli_assets['model']}",
+            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
+            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+            "--data.init_args.val_fraction=0.2",
+            f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.run_dir={run}",
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.log_every_n_steps=1",
+        ]
+    )
+    assert code == 0
+    assert (run / "drafter" / "last" / "model.safetensors").is_file()
+    client = MlflowClient(tracking_uri=default_tracking_uri(run))
+    experiment = client.get_experiment_by_name("gto")
+    (found,) = client.search_runs([experiment.experiment_id])
+    metrics = set(found.data.metrics)
+    assert {"train/loss_gto", "val/reward_gap", "val/greedy_pruned", "val/tau"} <= metrics
