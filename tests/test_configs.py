@@ -22,11 +22,10 @@ def test_there_are_configs() -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
 def test_config_instantiates(path: Path, tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
+    import yaml
     from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
     from lightning_spec.cli import lightning_cli
-
-    import yaml
 
     model_args = yaml.safe_load(path.read_text())["model"].get("init_args", {})
     if model_args.get("drafter_init"):
