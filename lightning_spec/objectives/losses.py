@@ -12,7 +12,8 @@ Sections:
 3. distribution matching (soft cross-entropy, forward KL, top-1 agreement)
 4. EAGLE-3 training-time test (per-step weighting); paper: EAGLE-3, Li et al. 2025
 5. GTO: tree rewards, debiasing, group advantages, the clipped surrogate; arXiv 2509.22134
-Objectives added later (Draft-OPD) go below, in sections of their own.
+6. Draft-OPD: forward / reverse KL rows and their per-token estimators, block-position
+   weights, the combined loss; arXiv 2605.29343
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from lightning_spec.decoding.acceptance import branch_values_from_factors, tree_
 from lightning_spec.decoding.tree import DraftTree
 
 __all__ = [
+    "bernoulli_forward_kl",
+    "block_position_weights",
     "clipped_surrogate",
+    "draft_opd_loss",
+    "forward_kl_rows",
+    "k3_reverse_kl",
+    "reverse_kl_rows",
     "debiased_rewards",
     "gto_tree_reward",
     "group_advantages",
@@ -214,3 +221,80 @@ def clipped_surrogate(
     loss = -torch.minimum(unclipped_term, clipped_term).mean()
     active = (clipped_term < unclipped_term).float().mean()
     return loss, active.detach()
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Draft-OPD (ALGORITHMS.md section 3)
+# --------------------------------------------------------------------------------------------
+# Rows are log-probabilities over ONE vocabulary, the drafter's: `draft_logprobs` [..., V_d] are
+# log q, `target_logprobs` [..., V_d] the target's log p at the same draft ids. Two conventions
+# (a config field of the objective): "draft" renormalises p over the draft vocabulary (EAGLE-3's
+# soft label, a true KL between two distributions), "full" keeps the target's full-vocabulary
+# probabilities of those ids (sum <= 1): the mass on tokens the drafter cannot emit is a constant
+# it cannot change, so it is left out of both sums.
+
+
+def forward_kl_rows(*, target_logprobs: Tensor, draft_logprobs: Tensor) -> Tensor:
+    """[...] sum_v p(v) (log p(v) - log q(v)): mass-covering, for tokens the target made."""
+    log_p, log_q = target_logprobs.float(), draft_logprobs.float()
+    p = log_p.exp()
+    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(dim=-1)
+
+
+def reverse_kl_rows(*, target_logprobs: Tensor, draft_logprobs: Tensor) -> Tensor:
+    """[...] sum_v q(v) (log q(v) - log p(v)): mode-seeking, pushes q off what p rejects."""
+    log_p, log_q = target_logprobs.float(), draft_logprobs.float()
+    q = log_q.exp()
+    floor = torch.finfo(torch.float32).min / 4  # -inf log p (an off-support token) stays finite
+    return torch.where(q > 0, q * (log_q - log_p.clamp_min(floor)), torch.zeros_like(q)).sum(-1)
+
+
+def bernoulli_forward_kl(*, target_logprob: Tensor, draft_logprob: Tensor) -> Tensor:
+    """[...] KL(Bern(p_x) || Bern(q_x)) on the realised token x: the per-token forward estimator
+    (it sees only "x or not x", so it never exceeds the full forward KL)."""
+    p = target_logprob.float().exp().clamp(1e-7, 1 - 1e-7)
+    q = draft_logprob.float().exp().clamp(1e-7, 1 - 1e-7)
+    return p * (torch.log(p) - torch.log(q)) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+
+
+def k3_reverse_kl(*, target_logprob: Tensor, draft_logprob: Tensor, clamp: float = 10.0) -> Tensor:
+    """[...] k3 = e^r - r - 1, r = log p(x) - log q(x), for x drawn from q: an unbiased,
+    non-negative estimator of KL(q || p); r is clamped to [-clamp, clamp] so one token the
+    target all but excludes cannot blow the step up."""
+    r = (target_logprob.float() - draft_logprob.float()).clamp(-clamp, clamp)
+    return torch.expm1(r) - r
+
+
+def block_position_weights(*, depth: Tensor, gamma: float) -> Tensor:
+    """[...] w_k = gamma^(k - 1) for a draft at position k >= 1 of its block: an error early in
+    the block costs the whole rest of it, so it weighs most."""
+    return torch.pow(torch.as_tensor(gamma, dtype=torch.float32), depth.float() - 1).clamp_max(1.0)
+
+
+def draft_opd_loss(
+    *,
+    accepted_kl: Tensor,
+    accepted_mask: Tensor,
+    rejected_kl: Tensor,
+    rejected_depth: Tensor,
+    rejected_mask: Tensor,
+    gamma: float = 0.8,
+    lambda_accepted: float = 1.0,
+    lambda_rejected: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(L, L_acc, L_rej) with L = (l_a L_acc + l_r L_rej) / (l_a + l_r).
+
+    L_acc = masked mean of the per-token forward KL over accepted tokens [...]; L_rej = masked
+    mean of w_k * reverse KL over rejected tokens [...] at block positions `rejected_depth`.
+    A stream without tokens contributes 0 (`masked_mean`). Lambdas of 0 give the all-forward /
+    all-reverse ablations.
+    """
+    if lambda_accepted < 0 or lambda_rejected < 0 or lambda_accepted + lambda_rejected <= 0:
+        raise ValueError("lambdas must be >= 0 and not both 0")
+    accepted = masked_mean(values=accepted_kl, mask=accepted_mask)
+    weights = block_position_weights(depth=rejected_depth, gamma=gamma).to(rejected_kl.device)
+    rejected = masked_mean(values=weights * rejected_kl, mask=rejected_mask)
+    total = (lambda_accepted * accepted + lambda_rejected * rejected) / (
+        lambda_accepted + lambda_rejected
+    )
+    return total, accepted, rejected
