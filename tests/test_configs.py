@@ -143,3 +143,49 @@ def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_
     (found,) = client.search_runs([experiment.experiment_id])
     metrics = set(found.data.metrics)
     assert {"train/loss_gto", "val/reward_gap", "val/greedy_pruned", "val/tau"} <= metrics
+
+
+def test_cli_fit_draft_opd_on_fresh_rollouts(
+    tiny_cli_assets: dict[str, str], tmp_path: Path
+) -> None:
+    """`lightning-spec fit --config configs/draft_opd.yaml` end to end (tiny target and drafter,
+    2 steps): rollouts by the real decoder, replay, the fresh rollouts' tau in MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    from lightning_spec.cli import main
+    from lightning_spec.tracking import default_tracking_uri
+
+    run = tmp_path / "run"
+    code = main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "draft_opd.yaml"),
+            f"--model.init_args.target={tiny_cli_assets['model']}",
+            f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
+            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
+            f"--data.init_args.target={tiny_cli_assets['model']}",
+            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
+            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+            "--data.init_args.val_fraction=0.2",
+            "--data.init_args.rollout_prompts=2",
+            "--data.init_args.rollout_max_new_tokens=8",
+            "--data.init_args.rollout_tree=dynamic:2,2,4",
+            "--data.init_args.batch_size=2",
+            f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.run_dir={run}",
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.log_every_n_steps=1",
+        ]
+    )
+    assert code == 0
+    assert (run / "drafter" / "last" / "model.safetensors").is_file()
+    client = MlflowClient(tracking_uri=default_tracking_uri(run))
+    experiment = client.get_experiment_by_name("draft_opd")
+    (found,) = client.search_runs([experiment.experiment_id])
+    metrics = set(found.data.metrics)
+    assert {"train/loss", "train/loss_accepted", "rollout/rollout_tau", "val/tau"} <= metrics, (
+        metrics
+    )

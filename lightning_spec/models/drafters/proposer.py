@@ -152,6 +152,10 @@ class DrafterProposer:
         Every ancestor of an expanded node must have been expanded before (policies expand
         parents first); each node is fed once.
         """
+        return self._expand_logits(trees, nodes, self._logprobs)
+
+    def _expand_logits(self, trees: Any, nodes: Tensor, convert: Any) -> Tensor:
+        """`expand` with the drafter logits turned into rows by `convert`."""
         parents, depth, tokens = trees.parents, trees.depth, trees.tokens  # [B, N]
         batch, count = nodes.shape
         num_nodes = parents.shape[1]
@@ -192,7 +196,7 @@ class DrafterProposer:
         hidden = output.hidden
         self._hidden = hidden if self._hidden is None else torch.cat([self._hidden, hidden], 1)
         self._block += count
-        return self._logprobs(output.logits)
+        return convert(output.logits)
 
     @property
     def hidden(self) -> Tensor | None:
@@ -217,25 +221,41 @@ class DrafterProposer:
         batch, width = paths.shape
         device = self.root_logits.device
         paths = paths.to(device)
-        out = torch.zeros(batch, width, device=device)
         if width == 0:
-            return out
-        rows = self.root()  # [B, V]
-        columns = [rows.gather(1, paths[:, :1]).squeeze(1)]
-        chain = torch.arange(width, device=device).expand(batch, -1)
-        for step in range(1, width):
-            nodes = torch.full((batch, 1), step - 1, dtype=torch.long, device=device)
-            trees = _Chain(paths[:, :step], chain[:, :step] - 1, chain[:, :step] + 1)
-            rows = self.expand(trees, nodes)[:, 0]
-            columns.append(rows.gather(1, paths[:, step : step + 1]).squeeze(1))
-        self.finish()
-        values = torch.stack(columns, dim=1)
+            return torch.zeros(batch, 0, device=device)
+        rows = self.path_rows(paths[:, :-1])  # row j scores path token j
+        values = rows.gather(2, paths.unsqueeze(-1)).squeeze(-1)
         valid = torch.arange(width, device=device).unsqueeze(0) < lengths.to(device).unsqueeze(1)
         return torch.where(valid, values, torch.zeros_like(values))
 
+    def path_rows(self, paths: Tensor, *, draft_space: bool = False) -> Tensor:
+        """[B, l + 1, V] the drafter's log-prob rows along each path: row 0 at the root, row
+        j + 1 after path token j (paths [B, l] target ids, fed as a chain through `expand`).
+
+        ``draft_space`` gives rows over the draft vocabulary [B, l + 1, V_draft] (the raw
+        tempered log-softmax, before the map to target ids): what distillation losses compare.
+        Rows past a path's real length are computed on its padding and are the caller's to
+        mask. Gradients follow the caller's grad mode; the drafted block is rolled back.
+        """
+        batch, width = paths.shape
+        device = self.root_logits.device
+        paths = paths.to(device)
+        convert = self._draft_logprobs if draft_space else self._logprobs
+        rows = [convert(self.root_logits)]  # [B, V]
+        chain = torch.arange(width, device=device).expand(batch, -1)
+        for step in range(width):
+            nodes = torch.full((batch, 1), step, dtype=torch.long, device=device)
+            trees = _Chain(paths[:, : step + 1], chain[:, : step + 1] - 1, chain[:, : step + 1] + 1)
+            rows.append(self._expand_logits(trees, nodes, convert)[:, 0])
+        self.finish()
+        return torch.stack(rows, dim=1)
+
     # ------------------------------------------------------------------ helpers
     def _logprobs(self, logits: Tensor) -> Tensor:
-        return self.drafter.to_target(tempered_log_softmax(logits, self.temperature))
+        return self.drafter.to_target(self._draft_logprobs(logits))
+
+    def _draft_logprobs(self, logits: Tensor) -> Tensor:
+        return tempered_log_softmax(logits, self.temperature)
 
     def _mask(self, ancestors: Tensor, offsets: Tensor, count: int) -> Tensor:
         """Bool [B, k, committed + block + k]: context, fed ancestors, and the node itself."""

@@ -1,0 +1,416 @@
+"""Draft-OPD (arXiv 2605.29343): on-policy distillation of the drafter at its own errors.
+
+Continued SFT on fixed target text stops raising acceptance: the drafter is trained on states
+the target made and judged on states it made itself. Draft-OPD trains on its own rollouts
+(ALGORITHMS.md section 3):
+
+1. Rollouts: real speculative decoding with the current drafter, through the `RolloutSource`
+   seam of `RolloutDataModule(mode="on_policy")`, refreshed every N optimizer steps by the
+   `RefreshRollouts` callback (which logs rollout tau and throughput). Each verification step
+   records its anchor a (the root, the last committed token), its accept length n and its
+   tried-and-rejected drafts with their block positions k (StepRecord v2).
+2. Replay at the anchors, batched: per step, the committed chain x_{a+1} .. x_{a+n} is fed to
+   the drafter from the anchor through the decoder's own drafting seam
+   (`DrafterProposer.from_sequence` + `path_rows`, one teacher-forced pass per sequence serves
+   all anchors), giving the drafter's rows at block slots k = 1 .. n + 1; the target's rows at
+   the same slots come from the shared tree-scoring module (`score_trees_target` over the
+   chains, exact: every slot's context is the committed prefix, which is also the context every
+   tried-and-rejected draft was verified in).
+3. Loss: forward KL(p || q) at the slots of accepted tokens (k <= n); reverse KL(q || p) at the
+   slots where drafts were rejected, weighted gamma^(k-1); L = (l_a L_acc + l_r L_rej) /
+   (l_a + l_r) (`losses.draft_opd_loss`). ``kl="exact"`` (default) compares whole rows;
+   ``kl="estimator"`` uses the per-token forms of the authors' code (Bernoulli forward KL on the
+   committed token, clamped k3 on each rejected token).
+
+Ablations are config fields: ``gamma: 1``, ``lambda_rejected: 0`` (all forward),
+``lambda_accepted: 0`` (all reverse), ``anchors: random`` (the same number of blocks of the same
+lengths at random response positions instead of the drafter's error positions). The paper's
+negative control, SFT on the rollouts without replay, is `EagleSFT` on the same on-policy data
+(`configs/draft_opd_sft_control.yaml`). Validation reports the EAGLE-3 token loss on held-out
+dataset answers (inherited from `EagleSFT`) beside the acceptance callbacks' tau.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_spec.decoding.score import score_trees_target
+from lightning_spec.decoding.tree import DraftTree
+from lightning_spec.models.drafters.base import Drafter
+from lightning_spec.models.drafters.proposer import DrafterProposer, absorbed_offset
+from lightning_spec.models.target import TargetModel
+from lightning_spec.objectives import losses
+from lightning_spec.objectives.base import BatchKeyError
+from lightning_spec.objectives.sft import EagleSFT, _draft_ids
+
+__all__ = ["DraftOPD", "ReplayBlocks", "replay_blocks"]
+
+STEP_BATCH_KEYS = frozenset(
+    {"step_mask", "step_anchor", "step_accept_length", "rejected_mask", "rejected_depth"}
+)
+
+
+@dataclass
+class ReplayBlocks:
+    """The blocks of one sequence to replay: anchors [S], chains [S, n_max] (committed tokens
+    after each anchor, 0-padded), lengths [S] (accepted n, clipped to the sequence), and the
+    rejected drafts per block (depth [S, R], tokens [S, R], mask [S, R])."""
+
+    anchors: Tensor
+    chains: Tensor
+    lengths: Tensor
+    rejected_depth: Tensor
+    rejected_tokens: Tensor
+    rejected_mask: Tensor
+
+
+def replay_blocks(
+    ids: Tensor,
+    *,
+    step_mask: Tensor,
+    anchors: Tensor,
+    accept_lengths: Tensor,
+    rejected_mask: Tensor,
+    rejected_depth: Tensor,
+    rejected_tokens: Tensor,
+    offset: int,
+    random_anchors: bool = False,
+    generator: torch.Generator | None = None,
+) -> ReplayBlocks | None:
+    """The replay blocks of one rollout (ids [L]; step tensors [S], [S, R] as collated).
+
+    Steps whose anchor the drafter has no entry for (< offset) or that lie beyond the
+    (truncated) sequence are dropped; a block's chain is clipped to the sequence. With
+    `random_anchors` every block keeps its length and rejected depths but moves to a uniformly
+    drawn position of the response (the ablation: train away from the drafter's errors).
+    """
+    length = int(ids.shape[0])
+    keep = step_mask.bool() & (anchors >= offset) & (anchors <= length - 2)
+    if not bool(keep.any()):
+        return None
+    anchors = anchors[keep].clone()
+    accepted = accept_lengths[keep]
+    depth, tokens, mask = rejected_depth[keep], rejected_tokens[keep], rejected_mask[keep].bool()
+    if random_anchors:
+        low, high = int(anchors.min()), length - 2
+        anchors = torch.randint(low, high + 1, anchors.shape, generator=generator)
+    lengths = torch.minimum(accepted, length - 1 - anchors).clamp_min(0)
+    width = max(1, int(lengths.max()))
+    offsets = torch.arange(1, width + 1).unsqueeze(0)  # [1, n_max]
+    index = (anchors.unsqueeze(1) + offsets).clamp(max=length - 1)
+    chains = torch.where(offsets <= lengths.unsqueeze(1), ids[index], torch.zeros_like(index))
+    # a rejected draft sits at block slot k <= n + 1 (a sibling of the accepted path or a child
+    # of its last node); slots beyond the clipped chain cannot be replayed
+    mask = mask & (depth >= 1) & (depth <= lengths.unsqueeze(1) + 1)
+    return ReplayBlocks(anchors, chains, lengths, depth, tokens, mask)
+
+
+class DraftOPD(EagleSFT):
+    """Draft-OPD training on on-policy rollouts (see the module docstring)."""
+
+    checkpoint_key: ClassVar[str] = "draft_opd"
+
+    def __init__(
+        self,
+        target: str = "smollm2",
+        target_dtype: str = "float32",
+        drafter_init: str | None = None,
+        gamma: float = 0.8,
+        lambda_accepted: float = 1.0,
+        lambda_rejected: float = 1.0,
+        kl: str = "exact",
+        vocabulary: str = "draft",
+        anchors: str = "errors",
+        k3_clamp: float = 10.0,
+        score_max_tokens: int = 512,
+        prepack_target: bool = False,
+        ttt_steps: int = 3,
+        ttt_decay: float = 0.8,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        max_steps_for_schedule: int | None = None,
+        max_consecutive_nonfinite: int = 10,
+        seed: int = 0,
+        cache_dir: str | None = None,
+    ) -> None:
+        """
+        Args:
+            target: Target model: "smollm2", a hub id, a local folder or a `.gguf` file.
+            target_dtype: Dtype of the frozen target.
+            drafter_init: The trained drafter folder Draft-OPD starts from (required).
+            gamma: Block-position decay of the reverse-KL weights gamma^(k-1) (paper: 0.8;
+                1 = the ablation).
+            lambda_accepted: Weight of the forward KL on accepted tokens (0 = all reverse).
+            lambda_rejected: Weight of the reverse KL on rejected tokens (0 = all forward).
+            kl: "exact" (full-distribution KLs, our default) or "estimator" (Bernoulli forward
+                KL on the committed token, clamped k3 on each rejected token).
+            vocabulary: "draft" (the target distribution restricted to the draft vocabulary and
+                renormalised, EAGLE-3's label) or "full" (the target's full-vocabulary
+                probabilities of the draft ids; off-vocabulary mass left out as a constant).
+            anchors: "errors" (the rollout's own blocks) or "random" (the ablation).
+            k3_clamp: Clamp of r = log p - log q in the k3 estimator.
+            score_max_tokens: Block rows per target scoring forward (bounds memory).
+            prepack_target: CPU fp32: prepack the frozen target's linear weights (faster).
+            ttt_steps: Unroll steps of the validation token loss (EAGLE-3 TTT).
+            ttt_decay: Weight decay**k of unroll step k of that loss.
+            lr: Peak learning rate of AdamW (paper: 3e-4).
+            weight_decay: AdamW weight decay.
+            betas: AdamW betas.
+            warmup_steps: Linear warmup steps (paper: 5% of the run).
+            max_steps_for_schedule: Steps of the cosine decay; None: the trainer's estimate.
+            max_consecutive_nonfinite: Raise after this many consecutive non-finite losses.
+            seed: Seed of the random-anchor ablation.
+            cache_dir: Asset cache root.
+        """
+        if kl not in ("exact", "estimator"):
+            raise ValueError(f"kl must be exact or estimator, got {kl!r}")
+        if vocabulary not in ("draft", "full"):
+            raise ValueError(f"vocabulary must be draft or full, got {vocabulary!r}")
+        if anchors not in ("errors", "random"):
+            raise ValueError(f"anchors must be errors or random, got {anchors!r}")
+        if not 0 < gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        super().__init__(
+            target=target,
+            target_dtype=target_dtype,
+            drafter_init=drafter_init,
+            ttt_steps=ttt_steps,
+            ttt_decay=ttt_decay,
+            lr=lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            max_steps_for_schedule=max_steps_for_schedule,
+            max_consecutive_nonfinite=max_consecutive_nonfinite,
+            cache_dir=cache_dir,
+        )
+        losses.draft_opd_loss(  # fail on bad lambdas now, not at the first step
+            accepted_kl=torch.zeros(1),
+            accepted_mask=torch.zeros(1),
+            rejected_kl=torch.zeros(1),
+            rejected_depth=torch.ones(1),
+            rejected_mask=torch.zeros(1),
+            lambda_accepted=lambda_accepted,
+            lambda_rejected=lambda_rejected,
+        )
+        self._generator = torch.Generator().manual_seed(int(seed))
+        self._accepted_seen = 0
+        self._rejected_seen = 0
+        if prepack_target:
+            from lightning_spec.models.packed import prepack_linears, prepack_unavailable_reason
+
+            if prepack_unavailable_reason(self.target.model) is None:
+                prepack_linears(self.target.model)
+
+    def build_drafter(self, target: TargetModel) -> Drafter:
+        raise ValueError(
+            "Draft-OPD starts from a trained drafter: set model.init_args.drafter_init to a "
+            "drafter folder (e.g. the output of configs/sft_eagle3_cpu.yaml)"
+        )
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        missing = STEP_BATCH_KEYS - set(batch)
+        if missing:
+            raise BatchKeyError(
+                f"DraftOPD trains on rollouts: the batch lacks {sorted(missing)}; use "
+                "RolloutDataModule(mode='on_policy') with the RefreshRollouts callback"
+            )
+
+    # ---------------------------------------------------------------------------- the loss
+    def opd_loss(self, batch: Mapping[str, Any]) -> dict[str, Tensor | float]:
+        """The Draft-OPD loss of a batch of rollouts and its parts (see the module doc)."""
+        hp = self.hparams
+        tic = time.perf_counter()
+        input_ids, attention = batch["input_ids"], batch.get("attention_mask")
+        parts: list[dict[str, Tensor]] = []
+        for row in range(input_ids.shape[0]):
+            length = int(attention[row].sum()) if attention is not None else input_ids.shape[1]
+            blocks = replay_blocks(
+                input_ids[row, :length].cpu(),
+                step_mask=batch["step_mask"][row].cpu(),
+                anchors=batch["step_anchor"][row].cpu(),
+                accept_lengths=batch["step_accept_length"][row].cpu(),
+                rejected_mask=batch["rejected_mask"][row].cpu(),
+                rejected_depth=batch["rejected_depth"][row].cpu(),
+                rejected_tokens=batch["rejected_tokens"][row].cpu(),
+                offset=absorbed_offset(self.drafter),
+                random_anchors=hp.anchors == "random",
+                generator=self._generator,
+            )
+            if blocks is not None:
+                parts.append(self._replay(input_ids[row : row + 1, :length], blocks))
+        zero = sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0.0
+        if not parts:
+            return {"loss": zero, "loss_accepted": 0.0, "loss_rejected": 0.0, "accepted": 0.0,
+                    "rejected": 0.0, "seconds": time.perf_counter() - tic}  # fmt: skip
+        joined = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        loss, accepted, rejected = losses.draft_opd_loss(
+            accepted_kl=joined["accepted_kl"],
+            accepted_mask=joined["accepted_mask"],
+            rejected_kl=joined["rejected_kl"],
+            rejected_depth=joined["rejected_depth"],
+            rejected_mask=joined["rejected_mask"],
+            gamma=float(hp.gamma),
+            lambda_accepted=float(hp.lambda_accepted),
+            lambda_rejected=float(hp.lambda_rejected),
+        )
+        return {
+            "loss": zero + loss,
+            "loss_accepted": float(accepted.detach()),
+            "loss_rejected": float(rejected.detach()),
+            "accepted": float(joined["accepted_mask"].sum()),
+            "rejected": float(joined["rejected_mask"].sum()),
+            "seconds": time.perf_counter() - tic,
+        }
+
+    def replay_rows(self, ids: Tensor, blocks: ReplayBlocks) -> tuple[Tensor, Tensor]:
+        """(target rows, drafter rows) [S, W + 1, V_draft] of log-probs at block slots 1..W+1
+        of every block (W = longest chain), in the configured vocabulary convention; the
+        drafter's rows carry gradients when they are enabled."""
+        device = ids.device
+        anchors = blocks.anchors.to(device)
+        prefix = ids[:, : int(anchors.max()) + 1]  # every anchor is a committed root here
+        with torch.no_grad():
+            output = self.target(prefix, output_features=self.drafter.needs_features)
+            chains = []
+            for s in range(anchors.shape[0]):
+                n = int(blocks.lengths[s])
+                chains.append(
+                    DraftTree(
+                        blocks.chains[s, :n].to(device),
+                        torch.arange(n, device=device) - 1,
+                        torch.zeros(n, device=device),
+                    )
+                )
+            scores = score_trees_target(
+                self.target,
+                output.cache,
+                chains,
+                prefix[0, anchors],
+                anchors,
+                outputs=("rows",),
+                max_tokens=int(self.hparams.score_max_tokens),
+            )
+            target_rows = self._target_draft_rows(scores, blocks.chains.shape[1] + 1)
+        proposer = DrafterProposer.from_sequence(
+            self.drafter, prefix, anchors, features=output.features
+        )
+        draft_rows = proposer.path_rows(blocks.chains.to(device), draft_space=True)
+        return target_rows, draft_rows
+
+    def _replay(self, ids: Tensor, blocks: ReplayBlocks) -> dict[str, Tensor]:
+        """Per-slot KL terms and masks of one sequence (flattened over blocks and slots)."""
+        hp = self.hparams
+        device = ids.device
+        target_rows, draft_rows = self.replay_rows(ids, blocks)
+        slots = torch.arange(draft_rows.shape[1], device=device).unsqueeze(0)  # [1, W + 1]
+        lengths = blocks.lengths.to(device).unsqueeze(1)
+        accepted_mask = slots < lengths  # slot j holds block position j + 1
+        # one reverse term per slot where something was rejected (exact) or per rejected token
+        rejected_depth = blocks.rejected_depth.to(device)
+        rejected_mask = blocks.rejected_mask.to(device)
+        if hp.kl == "exact":
+            accepted_kl = losses.forward_kl_rows(
+                target_logprobs=target_rows, draft_logprobs=draft_rows
+            )
+            slot_rejected = torch.zeros_like(accepted_mask)
+            rows = torch.arange(slot_rejected.shape[0], device=device).unsqueeze(1)
+            slot_rejected[rows.expand_as(rejected_depth)[rejected_mask],
+                          (rejected_depth - 1)[rejected_mask]] = True  # fmt: skip
+            reverse = losses.reverse_kl_rows(target_logprobs=target_rows, draft_logprobs=draft_rows)
+            return {
+                "accepted_kl": accepted_kl[accepted_mask],
+                "accepted_mask": torch.ones(int(accepted_mask.sum()), device=device),
+                "rejected_kl": reverse[slot_rejected],
+                "rejected_depth": (slots.expand_as(slot_rejected) + 1)[slot_rejected],
+                "rejected_mask": torch.ones(int(slot_rejected.sum()), device=device),
+            }
+        # per-token estimators
+        draft_ids = self.drafter.target_to_draft_ids(blocks.chains.to(device)).clamp_min(0)
+        picked_q = draft_rows[:, :-1].gather(2, draft_ids.unsqueeze(-1)).squeeze(-1)
+        picked_p = target_rows[:, :-1].gather(2, draft_ids.unsqueeze(-1)).squeeze(-1)
+        forward = losses.bernoulli_forward_kl(target_logprob=picked_p, draft_logprob=picked_q)
+        rejected_ids = self.drafter.target_to_draft_ids(
+            blocks.rejected_tokens.to(device).clamp_min(0)
+        )
+        usable = rejected_mask & (rejected_ids >= 0)
+        slot = (rejected_depth - 1).clamp(0, draft_rows.shape[1] - 1)
+        q_rows = draft_rows.gather(1, slot.unsqueeze(-1).expand(-1, -1, draft_rows.shape[-1]))
+        p_rows = target_rows.gather(1, slot.unsqueeze(-1).expand(-1, -1, target_rows.shape[-1]))
+        ids_ = rejected_ids.clamp_min(0).unsqueeze(-1)
+        k3 = losses.k3_reverse_kl(
+            target_logprob=p_rows.gather(2, ids_).squeeze(-1),
+            draft_logprob=q_rows.gather(2, ids_).squeeze(-1),
+            clamp=float(hp.k3_clamp),
+        )
+        valid = accepted_mask[:, :-1]
+        return {
+            "accepted_kl": forward[valid],
+            "accepted_mask": torch.ones(int(valid.sum()), device=device),
+            "rejected_kl": k3[usable],
+            "rejected_depth": rejected_depth[usable],
+            "rejected_mask": torch.ones(int(usable.sum()), device=device),
+        }
+
+    def _target_draft_rows(self, scores: list[Any], width: int) -> Tensor:
+        """[S, width, V_draft] target log-probs in the drafter's vocabulary convention."""
+        draft_ids = _draft_ids(self.drafter)
+        out = []
+        for score in scores:
+            rows = score.rows.float()  # [n + 1, V]
+            if self.hparams.vocabulary == "draft":
+                restricted = losses.restrict_to_draft_vocab(target_logits=rows, draft_ids=draft_ids)
+                logprobs = torch.log_softmax(restricted, dim=-1)
+            else:
+                full = torch.log_softmax(rows, dim=-1)
+                logprobs = losses.restrict_to_draft_vocab(target_logits=full, draft_ids=draft_ids)
+            pad = logprobs[-1:].expand(width - logprobs.shape[0], -1)  # masked later
+            out.append(torch.cat([logprobs, pad]))
+        return torch.stack(out)
+
+    # ---------------------------------------------------------------------------- steps
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        result = self.opd_loss(batch)
+        loss = result["loss"]
+        assert isinstance(loss, Tensor)
+        skipped = self.skip_nonfinite(loss)
+        if skipped is not None:
+            return skipped
+        self._accepted_seen += int(result["accepted"])
+        self._rejected_seen += int(result["rejected"])
+        self.log("train/loss", loss.detach(), prog_bar=True)
+        for key in ("loss_accepted", "loss_rejected", "accepted", "rejected", "seconds"):
+            name = {"accepted": "accepted_slots", "rejected": "rejected_slots"}.get(key, key)
+            self.log(f"train/{name}", float(result[key]))
+        self.log("train/accepted_seen", float(self._accepted_seen))
+        self.log("train/rejected_seen", float(self._rejected_seen))
+        schedulers = self.lr_schedulers()
+        if schedulers is not None:
+            scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
+            self.log("train/lr", float(scheduler.get_last_lr()[0]))
+        return loss
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            **super().checkpoint_state(),
+            "accepted_seen": self._accepted_seen,
+            "rejected_seen": self._rejected_seen,
+            "generator": self._generator.get_state(),
+        }
+
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        self._accepted_seen = int(state.get("accepted_seen", 0))
+        self._rejected_seen = int(state.get("rejected_seen", 0))
+        if "generator" in state:
+            self._generator.set_state(state["generator"])

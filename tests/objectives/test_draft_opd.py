@@ -1,0 +1,194 @@
+"""DraftOPD on tiny models: rollouts from the real decoder, replay rows equal what drafting and
+verification saw at each step, both KL forms train, ablations, a Lightning run on on-policy data."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_spec.data.on_policy import collate_steps
+from lightning_spec.decoding.build import parse_tree_spec
+from lightning_spec.decoding.engine import SpeculativeDecoder
+from lightning_spec.models.target import TargetModel
+from lightning_spec.models.tiny import tiny_config
+from lightning_spec.objectives.draft_opd import DraftOPD, replay_blocks
+
+
+def _sft_helpers():  # noqa: ANN202 - test_sft's builders, reused as plain functions
+    path = Path(__file__).with_name("test_sft.py")
+    spec = importlib.util.spec_from_file_location("sft_helpers_opd", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HELPERS = _sft_helpers()
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
+
+
+@pytest.fixture(scope="module")
+def trained_state(target: TargetModel) -> dict:
+    """A drafter trained a little on the target's own greedy text, so rollouts accept some
+    drafts and reject others (both streams non-empty)."""
+    from lightning_spec.decoding.engine import autoregressive_generate
+    from lightning_spec.objectives.sft import EagleSFT
+
+    drafter = HELPERS._drafter(target)
+    texts = [[5, 9, 14, 3] + autoregressive_generate(target, [5, 9, 14, 3], 28, stop_on_eos=False)]
+    texts.append([40, 41] + autoregressive_generate(target, [40, 41], 30, stop_on_eos=False))
+    ids = torch.tensor(texts)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    sft = EagleSFT.from_objects(target, drafter, ttt_steps=3)
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(40):
+        optimizer.zero_grad()
+        sft._common_step(batch).loss.backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+
+
+def _module(target: TargetModel, state: dict, **overrides: object) -> DraftOPD:
+    options = {"lr": 1e-2, "warmup_steps": 1, "max_steps_for_schedule": 10, "ttt_steps": 2}
+    options.update(overrides)
+    drafter = HELPERS._drafter(target)
+    drafter.load_state_dict(state)
+    return DraftOPD.from_objects(target, drafter, **options)
+
+
+def _rollout_batch(module: DraftOPD, tree: str = "dynamic:3,3,8") -> tuple[dict, list]:
+    """Two rollouts of the module's drafter by the real decoder, collated as on-policy data."""
+    decoder = SpeculativeDecoder(module.target, module.drafter, parse_tree_spec(tree))
+    prompts = [[5, 9, 14, 3], [40, 41]]  # the texts the drafter was trained on
+    generations = [decoder.generate(p, 20, stop_on_eos=False) for p in prompts]
+    sequences = [p + g.tokens for p, g in zip(prompts, generations, strict=True)]
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    attention = torch.zeros(2, width, dtype=torch.long)
+    loss_mask = torch.zeros(2, width, dtype=torch.long)
+    for row, (prompt, sequence) in enumerate(zip(prompts, sequences, strict=True)):
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        attention[row, : len(sequence)] = 1
+        loss_mask[row, len(prompt) : len(sequence)] = 1
+    steps = collate_steps([{"steps": g.records} for g in generations])
+    batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask, **steps}
+    return batch, generations
+
+
+def _blocks(batch: dict, row: int, **kwargs: object):  # noqa: ANN202
+    length = int(batch["attention_mask"][row].sum())
+    return replay_blocks(
+        batch["input_ids"][row, :length],
+        step_mask=batch["step_mask"][row],
+        anchors=batch["step_anchor"][row],
+        accept_lengths=batch["step_accept_length"][row],
+        rejected_mask=batch["rejected_mask"][row],
+        rejected_depth=batch["rejected_depth"][row],
+        rejected_tokens=batch["rejected_tokens"][row],
+        offset=1,
+        **kwargs,
+    )
+
+
+def test_replay_rows_equal_what_drafting_and_verification_saw(
+    target: TargetModel, trained_state: dict
+) -> None:
+    """At each step's rejected drafts, the replayed drafter row gives the log q the tree was
+    built with and the replayed target row the log p verification recorded (full vocabulary
+    convention: the target's own log-softmax)."""
+    module = _module(target, trained_state, vocabulary="full")
+    batch, generations = _rollout_batch(module)
+    blocks = _blocks(batch, 0)
+    assert blocks is not None and blocks.anchors.numel() == len(generations[0].records)
+    ids = batch["input_ids"][:1, : int(batch["attention_mask"][0].sum())]
+    with torch.no_grad():
+        target_rows, draft_rows = module.replay_rows(ids, blocks)
+    checked = 0
+    for s, record in enumerate(generations[0].records):
+        for node in record.rejected.tolist():
+            depth = int(record.tree.depth[node])
+            draft_id = module.drafter.target_to_draft_ids(record.tree.tokens[node : node + 1])
+            q = float(draft_rows[s, depth - 1, draft_id])
+            p = float(target_rows[s, depth - 1, draft_id])
+            assert q == pytest.approx(float(record.tree.logprobs[node]), abs=1e-4)
+            assert p == pytest.approx(float(record.target_token_logprobs[node]), abs=1e-4)
+            checked += 1
+        # the accepted drafts are the committed tokens after the anchor
+        n = int(record.accept_length)
+        assert blocks.chains[s, :n].tolist() == record.committed[:n]
+    assert checked > 0
+
+
+@pytest.mark.parametrize("kl", ["exact", "estimator"])
+def test_both_kl_forms_give_a_finite_loss_with_gradients(
+    target: TargetModel, trained_state: dict, kl: str
+) -> None:
+    module = _module(target, trained_state, kl=kl)
+    batch, _ = _rollout_batch(module)
+    result = module.opd_loss(batch)
+    loss = result["loss"]
+    assert torch.isfinite(loss) and float(loss.detach()) > 0
+    assert result["accepted"] > 0 and result["rejected"] > 0
+    loss.backward()
+    assert float(module.drafter.fc.weight.grad.abs().sum()) > 0
+
+
+def test_ablations_change_what_is_trained(target: TargetModel, trained_state: dict) -> None:
+    batch, _ = _rollout_batch(_module(target, trained_state))
+    forward_only = _module(target, trained_state, lambda_rejected=0.0).opd_loss(batch)
+    reverse_only = _module(target, trained_state, lambda_accepted=0.0).opd_loss(batch)
+    both = _module(target, trained_state).opd_loss(batch)
+    assert float(forward_only["loss"].detach()) == pytest.approx(both["loss_accepted"], rel=1e-4)
+    assert float(reverse_only["loss"].detach()) == pytest.approx(both["loss_rejected"], rel=1e-4)
+    flat = _module(target, trained_state, gamma=1.0).opd_loss(batch)
+    assert flat["loss_rejected"] >= both["loss_rejected"]  # no down-weighting of late slots
+    moved = _blocks(batch, 0, random_anchors=True, generator=torch.Generator().manual_seed(0))
+    errors = _blocks(batch, 0)
+    assert torch.equal(moved.lengths <= errors.lengths, torch.ones_like(moved.lengths).bool())
+    assert not torch.equal(moved.anchors, errors.anchors)
+    with pytest.raises(ValueError, match="lambdas"):
+        _module(target, trained_state, lambda_accepted=0.0, lambda_rejected=0.0)
+    with pytest.raises(ValueError, match="kl"):
+        _module(target, trained_state, kl="k2")
+
+
+def test_a_dataset_batch_is_refused_with_the_reason(
+    target: TargetModel, trained_state: dict
+) -> None:
+    module = _module(target, trained_state)
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "loss_mask": torch.ones(1, 4)}
+    with pytest.raises(KeyError, match="on_policy"):
+        module.on_train_batch_start(batch, 0)
+
+
+def test_draft_opd_trains_in_lightning_and_resumes_its_counters(
+    target: TargetModel, trained_state: dict, tmp_path: Path
+) -> None:
+    from lightning.pytorch import Trainer
+
+    module = _module(target, trained_state)
+    batch, _ = _rollout_batch(module)
+    before = module.drafter.fc.weight.clone()
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=2, max_epochs=1, log_every_n_steps=1,
+        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=str(tmp_path), logger=False,
+        limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=HELPERS.TinyData(batch))
+    assert trainer.global_step == 2
+    assert not torch.equal(module.drafter.fc.weight, before)
+    for key in ("train/loss", "train/loss_accepted", "train/loss_rejected", "train/rejected_slots"):
+        assert key in trainer.logged_metrics, key
+    trainer.save_checkpoint(tmp_path / "opd.ckpt")
+    checkpoint = torch.load(tmp_path / "opd.ckpt", weights_only=False)
+    fresh = _module(target, trained_state)
+    fresh.on_load_checkpoint(checkpoint)
+    fresh.load_state_dict(checkpoint["state_dict"], strict=True)
+    assert fresh._accepted_seen == module._accepted_seen > 0
