@@ -172,6 +172,19 @@ def test_hf_generate_runs_the_default_path_beside_the_optimised_one(target: Targ
     assert layer.enabled
     assert "hf_generate_optimized" in bench_runner.default_methods(packed)
     assert "hf_generate_optimized" not in bench_runner.default_methods(target)
+    result = bench_runner.run_bench(
+        packed, None, None, {"toy": _prompts(2)},
+        methods=["hf_generate", "hf_generate_optimized"], max_new_tokens=6, warmup=0,
+        stop_on_eos=False, bootstrap_resamples=50,
+    )  # fmt: skip
+    default_row = next(r for r in result["rows"] if r["method"] == "hf_generate")
+    optimised_row = next(r for r in result["rows"] if r["method"] == "hf_generate_optimized")
+    # the reference is the optimised target's greedy output; the default path is compared to
+    # it as a numerics divergence, not as a losslessness mismatch
+    assert optimised_row["mismatches"] == 0
+    assert default_row["mismatches"] is None and default_row["optimised_divergences"] == 0
+    assert default_row["first_token_ms"] > 0
+    assert "diverge (default path)" in bench_report.to_markdown(result)
     with pytest.raises(ValueError, match="optimised target"):
         bench_runner.run_bench(
             target, None, None, {"toy": _prompts(1)}, methods=["hf_generate_optimized"]
