@@ -178,7 +178,8 @@ class GroupTreeOptimization(EagleSFT):
             tree: The tree policy decoding uses (chain:K, static:NAME, dynamic:D,K,T): GTO trains
                 on the trees this policy builds.
             temperature: Decoding temperature the trees are built and verified at (0 or > 0).
-            group_size: m, adjacent prefixes per group (paper: 8).
+            group_size: m, adjacent prefixes per group (paper: 8; 1 = the ablation without
+                groups, where the debiased reward itself is the advantage).
             groups: K, groups per training sequence (paper: 16; CPU configs use fewer).
             eta: LSE temperature of the tree reward (paper: 1).
             aggregation: Tree reward over branch values: lse (paper) | max | mean (ablations).
@@ -207,8 +208,8 @@ class GroupTreeOptimization(EagleSFT):
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         if reward_factors not in REWARD_FACTORS:
             raise ValueError(f"reward_factors must be one of {REWARD_FACTORS}")
-        if group_size < 2:
-            raise ValueError("group_size must be >= 2: advantages compare prefixes in a group")
+        if group_size < 1:
+            raise ValueError("group_size must be >= 1 (1: the no-grouping ablation)")
         if groups < 1 or eta <= 0 or clip_eps <= 0 or temperature < 0:
             raise ValueError("groups >= 1, eta > 0, clip_eps > 0 and temperature >= 0 required")
         super().__init__(

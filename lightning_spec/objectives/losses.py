@@ -179,10 +179,14 @@ def group_advantages(*, rewards: Tensor, delta: float = 1e-6) -> Tensor:
     """[G, m] group-standardised advantages (R - mean_group) / (std_group + delta).
 
     The standard deviation is the population one (over the m members). A group whose rewards
-    are all equal carries no signal: its advantages are exactly 0.
+    are all equal carries no signal: its advantages are exactly 0. Groups of one (m = 1, the
+    paper's no-grouping ablation) have nothing to standardise against: their advantage is the
+    (debiased) reward itself.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, m], got {tuple(rewards.shape)}")
+    if rewards.shape[1] == 1:
+        return rewards.clone()
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, correction=0, keepdim=True)
     return (rewards - mean) / (std + delta)

@@ -188,7 +188,9 @@ def test_gto_needs_a_trained_drafter_and_valid_switches(target: TargetModel) -> 
     with pytest.raises(ValueError, match="aggregation"):
         _module(target, aggregation="median")
     with pytest.raises(ValueError, match="group_size"):
-        _module(target, group_size=1)
+        _module(target, group_size=0)
+    single = _module(target, group_size=1).gto_term(_batch())
+    assert single.prefixes == 4  # 2 sequences x 2 groups of one
 
 
 def test_gto_at_temperature_one_samples_with_the_decoders_verifier(target: TargetModel) -> None:

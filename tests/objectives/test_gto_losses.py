@@ -76,6 +76,8 @@ def test_group_advantages_standardise_each_group_and_zero_a_flat_one() -> None:
     expected = (rewards[0] - 3.0) / (math.sqrt(3.5) + 1e-6)
     torch.testing.assert_close(first, expected)
     assert torch.equal(advantages[1], torch.zeros(4))  # no signal, no update
+    single = losses.group_advantages(rewards=torch.tensor([[0.3], [-0.2]]))
+    assert torch.equal(single, torch.tensor([[0.3], [-0.2]]))  # m = 1: the reward itself
     with pytest.raises(ValueError, match="groups"):
         losses.group_advantages(rewards=torch.ones(4))
 
