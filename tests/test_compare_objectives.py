@@ -1,0 +1,44 @@
+"""bench/compare_objectives.py: equal budgets, outputs redirected, nothing else changed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(
+        "compare", ROOT / "bench" / "compare_objectives.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_budgeted_config_resizes_the_budget_and_moves_outputs(tmp_path: Path) -> None:
+    compare = _module()
+    for name in ("gto.yaml", "sft_continue_cpu.yaml", "draft_opd.yaml"):
+        original = yaml.safe_load((ROOT / "configs" / name).read_text())
+        config = compare.budgeted_config(ROOT / "configs" / name, 12.5, tmp_path / "r")
+        budgets = [c for c in config["trainer"]["callbacks"] if c["class_path"] == compare.BUDGET]
+        assert [b["init_args"]["minutes"] for b in budgets] == [12.5]
+        assert config["trainer"]["default_root_dir"] == str(tmp_path / "r")
+        assert config["trainer"]["logger"]["init_args"]["run_dir"] == str(tmp_path / "r")
+        dirs = [c["init_args"]["dirpath"] for c in config["trainer"]["callbacks"]
+                if "dirpath" in c.get("init_args", {})]  # fmt: skip
+        assert dirs == [str(tmp_path / "r" / "checkpoints")]
+        assert config["model"] == original["model"] and config["data"] == original["data"]
+
+
+def test_a_config_without_a_budget_gets_one(tmp_path: Path) -> None:
+    compare = _module()
+    path = tmp_path / "plain.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"max_steps": 3}, "model": {}}))
+    config = compare.budgeted_config(path, 5.0, tmp_path / "r")
+    assert config["trainer"]["callbacks"] == [
+        {"class_path": compare.BUDGET, "init_args": {"minutes": 5.0}}
+    ]
