@@ -427,6 +427,29 @@ def test_cli_tree_auto(
     assert "cached" not in json.loads(output.read_text())["config"]["calibration"]
 
 
+def test_cli_prepack_benches_the_default_and_the_optimised_target(
+    cli_inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    folder, data = cli_inputs
+    output = tmp_path / "packed.json"
+    code = bench_cli.main(
+        [
+            "--target", str(folder), "--drafter", "self", "--dataset", str(data), "--limit", "2",
+            "--max-new-tokens", "6", "--tree", "chain:2", "--prepack", "--threads", "1",
+            "--warmup", "0", "--bootstrap", "50", "--no-progress", "--output", str(output),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(output.read_text())
+    assert result["config"]["prepacked_linears"]["target"] > 0
+    methods = {row["method"] for row in result["rows"]}
+    assert {"hf_generate", "hf_generate_optimized", "speculative"} <= methods
+    overall = {r["method"]: r for r in result["rows"] if r["category"] is None}
+    assert overall["speculative"]["mismatches"] == 0
+    assert overall["hf_generate"]["optimised_divergences"] == 0
+    assert overall["speculative"]["speedup_vs_hf_generate_optimized"] is not None
+
+
 def test_calibration_key_follows_machine_and_drafter(target: TargetModel) -> None:
     from lightning_spec.bench import calibration_cache as cache
 

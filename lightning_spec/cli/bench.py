@@ -178,19 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             )
     prepacked: dict[str, Any] = {}
     if args.prepack:
-        from lightning_spec.models.packed import prepack_linears, prepack_unavailable_reason
+        from lightning_spec.models.packed import prepack_where_possible
 
-        reason = prepack_unavailable_reason(target.model)
-        if reason is None:
-            prepacked["target"] = prepack_linears(target.model)
-            for label, drafter in drafters.items():
-                if prepack_unavailable_reason(drafter) is None:
-                    prepacked[label] = prepack_linears(drafter)
-        else:  # an optimisation, not a requirement: GPU or bf16 runs go on without it
-            prepacked["skipped"] = reason
-            print(f"bench: --prepack skipped: {reason}", file=sys.stderr)
-            if not args.methods and "hf_generate_optimized" in methods:
-                methods.remove("hf_generate_optimized")  # nothing optimised to compare
+        prepacked = prepack_where_possible({"target": target.model, **drafters}, who="bench")
+        if "target" not in prepacked and not args.methods and "hf_generate_optimized" in methods:
+            methods.remove("hf_generate_optimized")  # nothing optimised to compare
     config: dict[str, Any] = {
         "flags": dict(vars(args)),
         "prepacked_linears": prepacked,

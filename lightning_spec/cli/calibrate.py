@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument(
+        "--prepack",
+        action="store_true",
+        help="CPU fp32: measure with the target's and drafter's linear weights prepacked for "
+        "oneDNN (what bench --prepack runs)",
+    )
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="for --drafter random")
     parser.add_argument("--bigram-limit", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
@@ -81,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: v for k, v in vars(args).items()}
     config["commit"] = git_commit()
     config["machine"] = machine
+    if args.prepack:
+        from lightning_spec.models.packed import prepack_where_possible
+
+        config["prepacked_linears"] = prepack_where_possible(
+            {"target": target.model}, who="calibrate"
+        )
     if args.drafter is None:
         curve = measure_verify_cost(target, sizes, args.context, args.repeats, seed=args.seed)
         result: dict[str, Any] = {
@@ -101,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             bigram_limit=args.bigram_limit,
             seed=args.seed,
         )
+        if args.prepack:
+            from lightning_spec.models.packed import prepack_where_possible
+
+            prepack_where_possible({"drafter": drafter}, who="calibrate")
         _, prompts = specs.load_prompts(args.dataset, target.tokenizer, args.limit)
         result = calibrate(
             target,

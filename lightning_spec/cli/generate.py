@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     target = specs.resolve_target(args.target, args.dtype)
     drafter = None if args.drafter == "none" else specs.resolve_drafter(args.drafter, target)
     if args.prepack:
-        _prepack(target, drafter)
+        from lightning_spec.models.packed import prepack_where_possible
+
+        prepack_where_possible({"target": target.model, "drafter": drafter}, who="generate")
     prompt = render_prompt(target.tokenizer, [{"role": "user", "content": args.prompt}])
     generator = torch.Generator().manual_seed(args.seed)
     if drafter is None:
@@ -96,19 +98,3 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if same else 1
     return 0
-
-
-def _prepack(target: object, drafter: object | None) -> None:
-    """Prepack where it can run; say why not where it cannot (an optimisation, not a must)."""
-    import sys
-
-    from lightning_spec.models.packed import prepack_linears, prepack_unavailable_reason
-
-    for name, module in (("target", target.model), ("drafter", drafter)):  # type: ignore[attr-defined]
-        if module is None:
-            continue
-        reason = prepack_unavailable_reason(module)
-        if reason is None:
-            prepack_linears(module)
-        else:
-            print(f"generate: --prepack skipped for the {name}: {reason}", file=sys.stderr)

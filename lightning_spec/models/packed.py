@@ -27,6 +27,7 @@ __all__ = [
     "is_prepacked",
     "packing",
     "prepack_linears",
+    "prepack_where_possible",
     "prepack_unavailable_reason",
 ]
 
@@ -121,3 +122,25 @@ def packing(module: nn.Module, enabled: bool) -> Iterator[None]:
     finally:
         for layer, state in zip(layers, saved, strict=True):
             layer.enabled = state
+
+
+def prepack_where_possible(modules: dict[str, nn.Module | None], *, who: str) -> dict[str, object]:
+    """Prepack each named module where it can run; {name: linears packed} plus ``skipped``
+    {name: reason} for the others, each said once on stderr (an optimisation, not a must: a
+    GPU or bf16 run goes on unpacked). `who` names the command in the message."""
+    import sys
+
+    done: dict[str, object] = {}
+    skipped: dict[str, str] = {}
+    for name, module in modules.items():
+        if module is None or is_prepacked(module):
+            continue
+        reason = prepack_unavailable_reason(module)
+        if reason is None:
+            done[name] = prepack_linears(module)
+        else:
+            skipped[name] = reason
+            print(f"{who}: --prepack skipped for the {name}: {reason}", file=sys.stderr)
+    if skipped:
+        done["skipped"] = skipped
+    return done
