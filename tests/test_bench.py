@@ -481,6 +481,8 @@ def test_generate_cli_plain_decoding_on_the_prepacked_target(
     assert "plain decoding, no drafter, prepacked target" in capsys.readouterr().out
     assert generate_cli.main([*common, "--drafter", "self", "--prepack", "--tree", "chain:2"]) == 0
     assert "speculative output equals it" in capsys.readouterr().out
+    zero = ["--target", str(folder), "--prompt", "w5", "--max-new-tokens", "0"]
+    assert generate_cli.main(zero) == 0  # nothing generated is no mismatch
 
 
 # ------------------------------------------------------------------------------ real SmolLM2

@@ -293,6 +293,7 @@ class DecodeSession:
             raise ValueError("the prompt must hold at least one token")
         if max(prompt) >= target.vocab_size or min(prompt) < 0:
             raise ValueError("prompt token id out of the target's vocabulary")
+        target.check_fits(len(prompt), max(0, int(max_new_tokens)))
         self.prompt = prompt
         self.records: list[StepRecord] = []
         self.new_tokens: list[int] = []
@@ -561,6 +562,9 @@ def autoregressive_generate(
     `timings`, when given, receives ``first_token``: seconds from the call to the first chosen
     token (the prefill forward; time to first token in benches).
     """
+    if max_new_tokens <= 0:
+        return []
+    target.check_fits(len(prompt_ids), max_new_tokens)
     device = target.device
     eos = target.eos_token_ids
     tic = time.perf_counter()

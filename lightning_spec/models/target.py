@@ -230,6 +230,22 @@ class TargetModel(nn.Module):
         return len(self.feature_layers) * self.hidden_size
 
     @property
+    def context_length(self) -> int | None:
+        """Positions the target was trained for (`max_position_embeddings`), None if unknown."""
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    def check_fits(self, prompt_tokens: int, new_tokens: int) -> None:
+        """Refuse a decode that would run past the target's context: beyond it RoPE
+        extrapolates silently and the output is not the model's, lossless or not."""
+        limit = self.context_length
+        if limit is not None and prompt_tokens + new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {prompt_tokens} tokens + {new_tokens} new tokens exceeds the "
+                f"target's context of {limit} positions; shorten the prompt or max_new_tokens"
+            )
+
+    @property
     def eos_token_ids(self) -> set[int]:
         """Every id that ends a turn: generation config, model config and tokenizer."""
         ids: set[int] = set()

@@ -144,6 +144,13 @@ def test_eos_stops_and_limits(setup: dict) -> None:
     assert result.tokens == free[: free.index(eos) + 1]
     assert result.stopped_on_eos
     assert decoder.generate(prompt, 0).tokens == []
+    assert autoregressive_generate(target, prompt, 0) == []  # no token, so no mismatch
+    limit = target.context_length
+    assert limit is not None
+    with pytest.raises(ValueError, match="exceeds the target's context"):
+        decoder.generate(prompt, limit)
+    with pytest.raises(ValueError, match="exceeds the target's context"):
+        autoregressive_generate(target, [5] * (limit - 2), 4)
     with pytest.raises(ValueError):
         decoder.generate([], 4)
     with pytest.raises(ValueError):
