@@ -92,7 +92,10 @@ def resolve_drafter(
             return load_drafter(source, device=target.device)
         return build_bigram(source, target, limit=bigram_limit)
     if (Path(spec) / CONFIG_NAME).is_file():
+        from lightning_spec.models.fingerprint import check_drafter_target
+
         drafter = load_drafter(spec, device=target.device)
+        check_drafter_target(drafter, target)  # a drafter of another target: refused, named
         return drafter.to(target.dtype)
     raise ValueError(
         f"unknown drafter {spec!r}: use a drafter folder, random, self or bigram:<folder|data>"

@@ -34,6 +34,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lightning_spec.models.drafters.base import Drafter, load_drafter
+from lightning_spec.models.fingerprint import check_drafter_target
 from lightning_spec.models.target import TargetModel, load_target
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ def check_pair(target: TargetModel, drafter: Drafter) -> None:
             f"drafter maps onto {drafter.target_vocab_size} tokens, the target has "
             f"{target.vocab_size}: the drafter was built for another tokenizer"
         )
+    check_drafter_target(drafter, target)
     fc = getattr(drafter, "fc", None)
     if fc is not None and fc.in_features != target.feature_size:
         raise ValueError(

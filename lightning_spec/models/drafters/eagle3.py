@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_spec.models.drafters.base import Drafter, DrafterOutput, register_drafter
 from lightning_spec.models.drafters.layers import CachedAttention, GatedMLP, RMSNorm
+from lightning_spec.models.fingerprint import cached_target_fingerprint
 from lightning_spec.models.vocab import build_draft_vocab, draft_to_target_ids
 
 
@@ -195,6 +196,7 @@ class Eagle3Drafter(Drafter):
             "target_layer_ids": list(target.feature_layers),
             "target_model": target.name,
             "max_position_embeddings": int(getattr(text_config, "max_position_embeddings", 4096)),
+            "target_fingerprint": cached_target_fingerprint(target),
         }
         torch.manual_seed(seed)
         drafter = cls(config)
@@ -314,6 +316,7 @@ class Eagle3Drafter(Drafter):
             "target_layer_ids",
             "target_model",
             "max_position_embeddings",
+            "target_fingerprint",
             "training",
         }
         return cls({k: v for k, v in config.items() if k in keep})
