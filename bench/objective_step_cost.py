@@ -1,0 +1,142 @@
+"""Seconds per training step of each objective from one drafter, on the same batches.
+
+What "a GTO step costs N SFT steps" in the README and BENCHMARKS.md rests on: the same data
+module (the baseline's cached features), the same drafter folder, the same batches, one
+objective after the other in one process, each for a few warm-up steps then `--steps` timed
+optimizer steps (forward, backward, AdamW). GTO also reports its scoring throughput (trees/s
+and tree rows/s through `score_trees_target`).
+
+    python bench/objective_step_cost.py --drafter DIR --tree dynamic:2,8,8 --steps 10 \\
+        --output bench/results/smollm2_objective_step_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_spec.bench.machine import git_commit, machine_info
+from lightning_spec.data.datamodule import RolloutDataModule
+from lightning_spec.io import sha256_file
+from lightning_spec.models.drafters.base import load_drafter
+from lightning_spec.models.target import load_target
+from lightning_spec.objectives.gto import GroupTreeOptimization
+from lightning_spec.objectives.sft import EagleSFT
+
+
+def _batches(args: argparse.Namespace, target: Any) -> list[dict]:
+    data = RolloutDataModule(
+        target=args.target,
+        dataset=args.dataset,
+        mode="dataset",
+        max_conversations=args.max_conversations,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        val_fraction=0.02,
+        feature_cache_bytes=args.feature_cache_bytes,
+    )
+    data.setup("fit")
+    batches = []
+    for batch in data.train_dataloader():
+        batches.append(batch)
+        if len(batches) >= args.warmup + args.steps:
+            break
+    return batches
+
+
+def _time(module: Any, batches: list[dict], warmup: int, gto: bool) -> dict[str, Any]:
+    optimizer = torch.optim.AdamW(
+        [p for p in module.drafter.parameters() if p.requires_grad], lr=1e-5, betas=(0.9, 0.95)
+    )
+    seconds, extra = [], {"trees_per_s": [], "rows_per_s": []}
+    for index, batch in enumerate(batches):
+        tic = time.perf_counter()
+        token = module._common_step(batch)
+        loss = token.loss
+        if gto:
+            term = module.gto_term(batch)
+            loss = loss + float(module.hparams.omega) * term.loss
+            if term.score_seconds > 0:
+                extra["trees_per_s"].append(term.trees_scored / term.score_seconds)
+                extra["rows_per_s"].append(term.rows_scored / term.score_seconds)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.drafter.parameters(), 0.5)
+        optimizer.step()
+        if index >= warmup:
+            seconds.append(time.perf_counter() - tic)
+    out: dict[str, Any] = {
+        "steps": len(seconds),
+        "seconds_per_step_median": statistics.median(seconds),
+        "seconds_per_step": seconds,
+    }
+    if gto and extra["trees_per_s"]:
+        out["score_trees_per_s_median"] = statistics.median(extra["trees_per_s"][warmup:])
+        out["score_rows_per_s_median"] = statistics.median(extra["rows_per_s"][warmup:])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--drafter", type=Path, required=True)
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--dataset", default="sharegpt")
+    parser.add_argument("--max-conversations", type=int, default=4500)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--feature-cache-bytes", type=int, default=7_000_000_000)
+    parser.add_argument("--tree", default="dynamic:6,10,32")
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    machine = machine_info("fp32")
+    target = load_target(args.target)
+    batches = _batches(args, target)
+    results: dict[str, Any] = {
+        "command": "python bench/objective_step_cost.py " + " ".join(argv or []),
+        "commit": git_commit(),
+        "machine": machine,
+        "drafter": str(args.drafter),
+        "drafter_sha256": sha256_file(args.drafter / "model.safetensors"),
+        "tree": args.tree,
+        "batch_size": args.batch_size,
+        "groups": args.groups,
+        "group_size": args.group_size,
+    }
+    drafter = load_drafter(args.drafter)
+    sft = EagleSFT.from_objects(target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps)
+    results["sft"] = _time(sft, batches, args.warmup, gto=False)
+    gto = GroupTreeOptimization.from_objects(
+        target,
+        copy.deepcopy(drafter),
+        tree=args.tree,
+        groups=args.groups,
+        group_size=args.group_size,
+        ttt_steps=args.ttt_steps,
+        prepack_target=True,
+    )
+    results["gto"] = _time(gto, batches, args.warmup, gto=True)
+    ratio = results["gto"]["seconds_per_step_median"] / results["sft"]["seconds_per_step_median"]
+    results["gto_over_sft"] = ratio
+    print(json.dumps({k: v for k, v in results.items() if k != "machine"}, indent=1))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
