@@ -32,6 +32,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "export": ("lightning_spec.cli.export", "export a drafter to ONNX (and TensorRT engines)"),
     "promote": ("lightning_spec.cli.promote", "register a drafter and move the champion alias"),
+    "online": (
+        "lightning_spec.cli.online",
+        "OnlineSpec: serve a request stream and keep training the drafter from its feedback",
+    ),
     "relog": (
         "lightning_spec.cli.relog",
         "replay a run's MLflow mirror into MLflow (after the tracking server went away)",

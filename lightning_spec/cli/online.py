@@ -1,0 +1,125 @@
+"""`lightning-spec online --config configs/online_spec.yaml`: OnlineSpec over a request stream.
+
+Reads a YAML config (target, drafter folder, tree, the stream's segments and seed, round size,
+tokens per request, the strategy and its options, the output folder), builds the stream
+(`serving.stream`), serves it round by round with the chosen strategy learning in between
+(`serving.online`), logs every round to MLflow (`online/*`, SQLite store beside the output
+folder unless MLFLOW_TRACKING_URI says otherwise) and prints the prequential summary. Started
+again with the same output folder, a killed stream resumes at its round. Strategies here:
+`frozen`, `ogd` (ALGORITHMS.md section 4; the others of issue 17 follow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["load_config", "main"]
+
+KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
+        "strategy", "out_dir", "experiment", "threads", "prepack"}  # fmt: skip
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config with defaults, checked before anything is loaded (fields named on error)."""
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"cannot read the online config {path}: {error}") from error
+    config.update(overrides or {})
+    unknown = set(config) - KEYS
+    if unknown:
+        raise ValueError(f"unknown online config keys {sorted(unknown)}; known: {sorted(KEYS)}")
+    for field in ("drafter", "stream"):
+        if field not in config:
+            raise ValueError(f"the online config needs {field!r}")
+    segments = config["stream"]
+    if not isinstance(segments, list) or not all(
+        isinstance(s, dict) and {"source", "count"} <= set(s) for s in segments
+    ):
+        raise ValueError("stream must be a list of {source: ..., count: N} segments")
+    config.setdefault("target", "smollm2")
+    config.setdefault("tree", "dynamic:6,10,32")
+    config.setdefault("seed", 0)
+    config.setdefault("round_size", 25)
+    config.setdefault("max_new_tokens", 64)
+    config.setdefault("strategy", {"name": "frozen"})
+    config.setdefault("out_dir", "runs/online")
+    config.setdefault("experiment", "online_spec")
+    config.setdefault("threads", 2)
+    config.setdefault("prepack", False)
+    if int(config["round_size"]) < 1 or int(config["max_new_tokens"]) < 1:
+        raise ValueError("round_size and max_new_tokens must be >= 1")
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-spec online", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--strategy", default=None, help="override strategy.name")
+    parser.add_argument("--seed", type=int, default=None, help="override the stream seed")
+    parser.add_argument("--out-dir", default=None, help="override out_dir")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {}
+    if args.seed is not None:
+        overrides["seed"] = args.seed
+    if args.out_dir is not None:
+        overrides["out_dir"] = args.out_dir
+    try:
+        config = load_config(args.config, overrides)
+    except ValueError as error:
+        print(f"online: {error}", file=sys.stderr)
+        return 2
+    if args.strategy:
+        config["strategy"] = {**config["strategy"], "name": args.strategy}
+    import torch
+
+    from lightning_spec import specs
+    from lightning_spec.objectives.online import make_strategy
+    from lightning_spec.serving.online import run_stream
+    from lightning_spec.serving.stream import Segment, build_stream
+    from lightning_spec.tracking import make_mlflow_logger
+
+    torch.set_num_threads(int(config["threads"]))
+    target = specs.resolve_target(config["target"], "fp32")
+    drafter = specs.resolve_drafter(str(config["drafter"]), target)
+    if config["prepack"]:
+        from lightning_spec.models.packed import prepack_where_possible
+
+        prepack_where_possible({"target": target.model}, who="online")
+    segments = [Segment(str(s["source"]), int(s["count"])) for s in config["stream"]]
+    requests = build_stream(target.tokenizer, segments, seed=int(config["seed"]))
+    options = {k: v for k, v in config["strategy"].items() if k != "name"}
+    try:
+        strategy = make_strategy(str(config["strategy"]["name"]), drafter, **options)
+    except (TypeError, ValueError) as error:  # unknown strategy or option: named, no run made
+        print(f"online: strategy: {error}", file=sys.stderr)
+        return 2
+    out = Path(config["out_dir"])
+    logger = make_mlflow_logger(str(config["experiment"]), out, run_name=strategy.name)
+    logger.log_hyperparams({k: json.dumps(v) if isinstance(v, (list, dict)) else v
+                            for k, v in config.items()})  # fmt: skip
+    rows = run_stream(
+        target,
+        strategy,
+        specs.resolve_tree(str(config["tree"])),
+        requests,
+        out_dir=out,
+        round_size=int(config["round_size"]),
+        max_new_tokens=int(config["max_new_tokens"]),
+        logger=logger,
+    )
+    logger.finalize("success")
+    taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]
+    print(
+        f"{strategy.name}: {len(rows)} requests, prequential tau "
+        f"{sum(taus) / max(1, len(taus)):.3f}; rounds in {out / 'rounds.jsonl'}"
+    )
+    return 0

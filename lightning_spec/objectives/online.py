@@ -1,0 +1,204 @@
+"""OnlineSpec (arXiv 2603.12617): the drafter keeps learning from what it serves.
+
+Serving is online learning in rounds (ALGORITHMS.md section 4): serve a round of requests with
+the current drafter (test first), then update from that round's verification feedback (train
+second). The feedback is free: at T = 0 every committed token is the target's own greedy choice,
+and the decoder already computed the target's features of every committed token
+(`Generation.features`, kept with ``SpeculativeDecoder(keep_features=True)``), so the drafter's
+own loss is built without a second target pass.
+
+The loss (`feedback_batch` + `online_loss`): the EAGLE-3 training-time-test loss on the served
+sequences, with the committed next token as a hard label (cross-entropy over the draft
+vocabulary; committed tokens outside it are masked) on the response positions only.
+
+Strategies share one interface (`OnlineStrategy`): `drafter` is what the next round serves,
+`update(generations)` learns from a served round and returns its metrics, and `state_dict` /
+`load_state_dict` make a killed stream resume at the round it stopped in.
+
+* `FrozenStrategy`: no update (the baseline every other strategy is measured against).
+* `OGDStrategy`: online gradient descent, a few optimizer steps per round on the round's loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lightning_spec.decoding.engine import Generation
+from lightning_spec.models.drafters.base import Drafter
+from lightning_spec.objectives import losses
+from lightning_spec.objectives.sft import _draft_ids, ttt_loss_masks, ttt_unroll
+
+__all__ = [
+    "FrozenStrategy",
+    "OGDStrategy",
+    "OnlineStrategy",
+    "feedback_batch",
+    "make_strategy",
+    "online_loss",
+]
+
+
+def feedback_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | None:
+    """Right-padded training tensors from served generations (None if nothing usable).
+
+    ``input_ids`` [B, T] prompt + served tokens, ``features`` [B, T, F] the target features the
+    decoder kept (row j: the feature of token j; the last row, never read, is zero),
+    ``loss_mask`` [B, T] 1 on served tokens, ``attention_mask`` [B, T].
+    """
+    rows = [g for g in generations if g.features is not None and len(g.tokens) >= 2]
+    if not rows:
+        return None
+    sequences = [g.prompt + g.tokens for g in rows]
+    width = max(len(s) for s in sequences)
+    size = rows[0].features.shape[-1]
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    features = torch.zeros(len(rows), width, size)
+    loss_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (generation, sequence) in enumerate(zip(rows, sequences, strict=True)):
+        ids[b, : len(sequence)] = torch.tensor(sequence)
+        kept = generation.features.float().cpu()
+        features[b, : kept.shape[0]] = kept
+        loss_mask[b, len(generation.prompt) : len(sequence)] = 1
+        attention[b, : len(sequence)] = 1
+    return {"input_ids": ids, "features": features, "loss_mask": loss_mask,
+            "attention_mask": attention}  # fmt: skip
+
+
+def online_loss(
+    drafter: Drafter, batch: dict[str, Tensor], *, ttt_steps: int = 2, decay: float = 0.8
+) -> tuple[Tensor, int]:
+    """(loss, label count): TTT cross-entropy against the committed next tokens (module doc)."""
+    device = next(drafter.parameters()).device
+    ids = batch["input_ids"].to(device)
+    features = batch["features"].to(device)
+    loss_mask = (batch["loss_mask"] * batch["attention_mask"]).to(device)
+    outputs = ttt_unroll(drafter, input_ids=ids, features=features, steps=ttt_steps)
+    # entry i (position i + 1) predicts token i + 2; the committed token is the target's argmax
+    labels = torch.zeros_like(ids[:, 1:])
+    labels[:, :-1] = ids[:, 2:]
+    draft_ids = _draft_ids(drafter)
+    label_draft = labels if draft_ids is None else drafter.target_to_draft_ids(labels)
+    in_vocab = (label_draft >= 0).long()
+    masks = ttt_loss_masks(loss_mask, steps=ttt_steps) * in_vocab.unsqueeze(0).float()
+    step_losses = []
+    for step, output in enumerate(outputs):
+        log_q = torch.log_softmax(output.logits.float(), dim=-1)
+        picked = log_q.gather(-1, label_draft.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        step_losses.append(losses.masked_mean(values=-picked, mask=masks[step]))
+    total = losses.ttt_total_loss(step_losses=torch.stack(step_losses), decay=decay)
+    return total, int(masks[0].sum())
+
+
+class OnlineStrategy(Protocol):
+    """One online algorithm (see the module docstring)."""
+
+    name: str
+    drafter: Drafter
+
+    def update(self, generations: Sequence[Generation]) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class FrozenStrategy:
+    """Serve the starting drafter unchanged; still reports the round's online loss (what the
+    regret proxy compares against)."""
+
+    name = "frozen"
+
+    def __init__(self, drafter: Drafter, *, ttt_steps: int = 2) -> None:
+        self.drafter = drafter.eval()
+        self.ttt_steps = int(ttt_steps)
+
+    def update(self, generations: Sequence[Generation]) -> dict[str, float]:
+        batch = feedback_batch(generations)
+        if batch is None:
+            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
+        with torch.no_grad():
+            loss, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
+        return {"online_loss": float(loss), "update_seconds": 0.0, "labels": float(labels)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+class OGDStrategy:
+    """Online gradient descent: `steps_per_round` AdamW steps on each round's loss.
+
+    The reported ``online_loss`` is the loss of the model that SERVED the round (before the
+    update), the quantity dynamic regret is measured on.
+    """
+
+    name = "ogd"
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        *,
+        lr: float = 1e-4,
+        steps_per_round: int = 2,
+        ttt_steps: int = 2,
+        grad_clip: float = 0.5,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ) -> None:
+        if lr <= 0 or steps_per_round < 1:
+            raise ValueError("ogd needs lr > 0 and steps_per_round >= 1")
+        self.drafter = copy.deepcopy(drafter).float()
+        self.steps_per_round = int(steps_per_round)
+        self.ttt_steps = int(ttt_steps)
+        self.grad_clip = float(grad_clip)
+        parameters = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(parameters, lr=lr, betas=betas, weight_decay=0.0)
+
+    def update(self, generations: Sequence[Generation]) -> dict[str, float]:
+        batch = feedback_batch(generations)
+        if batch is None:
+            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
+        tic = time.perf_counter()
+        self.drafter.train()
+        served_loss = float("nan")
+        labels = 0
+        for step in range(self.steps_per_round):
+            loss, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
+            if step == 0:
+                served_loss = float(loss.detach())
+            if not torch.isfinite(loss):
+                break  # a non-finite round changes nothing (logged by the caller as NaN)
+            self.optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
+            self.optimizer.step()
+        self.drafter.eval()
+        return {
+            "online_loss": served_loss,
+            "update_seconds": time.perf_counter() - tic,
+            "labels": float(labels),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def make_strategy(name: str, drafter: Drafter, **options: Any) -> OnlineStrategy:
+    """A strategy by name (`frozen`, `ogd`) with its options."""
+    if name == "frozen":
+        return FrozenStrategy(drafter, ttt_steps=int(options.get("ttt_steps", 2)))
+    if name == "ogd":
+        return OGDStrategy(drafter, **options)
+    raise ValueError(f"unknown online strategy {name!r}; available: frozen, ogd")

@@ -1,0 +1,162 @@
+"""The OnlineSpec loop: serve a round, read the verification feedback, update, repeat.
+
+Each round serves `round_size` requests of the stream with the strategy's current drafter
+(lossless speculative decoding through the one engine, `SpeculativeDecoder`, keeping the
+target features it computed anyway), records per request tau, tokens/s and wall time, then lets
+the strategy update from the round (`objectives.online`). Test first, train second: a round is
+always served by the model that existed before it, so the per-request figures are prequential.
+
+The update's time is charged to throughput (`net_tokens_per_s`: served tokens over serving plus
+update time), the honest figure when updates run in the serving process.
+
+After every round an atomic checkpoint (`round.pt`: the round index, the strategy's state,
+the random state) and the request log (`requests.jsonl`, one line per served request, appended
+and fsynced) are written; a killed stream started again with the same folder resumes at the
+first round not checkpointed, and requests logged by that unfinished round are served again
+(their lines are dropped on resume, so no request is counted twice).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_spec.decoding.build import TreePolicy
+from lightning_spec.decoding.engine import SpeculativeDecoder
+from lightning_spec.objectives.online import OnlineStrategy
+from lightning_spec.serving.stream import Request
+
+log = logging.getLogger(__name__)
+
+__all__ = ["run_stream", "prequential_summary"]
+
+CHECKPOINT = "round.pt"
+REQUESTS = "requests.jsonl"
+ROUNDS = "rounds.jsonl"
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line from a kill
+            break
+    return out
+
+
+def _write_lines(path: Path, rows: list[dict[str, Any]]) -> None:
+    from lightning_spec.io import atomic_write_text
+
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _append(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a") as handle:
+        handle.write(json.dumps(row) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def run_stream(
+    target: Any,
+    strategy: OnlineStrategy,
+    policy: TreePolicy,
+    requests: Sequence[Request],
+    *,
+    out_dir: str | Path,
+    round_size: int = 25,
+    max_new_tokens: int = 64,
+    logger: Any = None,
+) -> list[dict[str, Any]]:
+    """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
+    request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start_round = 0
+    checkpoint = out / CHECKPOINT
+    if checkpoint.is_file():
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        strategy.load_state_dict(state["strategy"])
+        start_round = int(state["round"]) + 1
+        log.info("resuming the stream at round %d from %s", start_round, checkpoint)
+    logged = [r for r in _read_lines(out / REQUESTS) if r["round"] < start_round]
+    _write_lines(out / REQUESTS, logged)  # drop what an unfinished round logged
+    rounds = [r for r in _read_lines(out / ROUNDS) if r["round"] < start_round]
+    _write_lines(out / ROUNDS, rounds)
+    total_rounds = math.ceil(len(requests) / round_size)
+    for index in range(start_round, total_rounds):
+        chunk = requests[index * round_size : (index + 1) * round_size]
+        decoder = SpeculativeDecoder(target, strategy.drafter, policy, keep_features=True)
+        generations = []
+        served_seconds = 0.0
+        for request in chunk:
+            result = decoder.generate(request.prompt, max_new_tokens)
+            generations.append(result)
+            served_seconds += result.total_seconds
+            row = {
+                "round": index,
+                "request": request.index,
+                "domain": request.domain,
+                "id": request.id,
+                "tau": result.tau,
+                "tokens": len(result.tokens),
+                "verifications": result.num_verifications,
+                "seconds": result.total_seconds,
+                "tokens_per_s": len(result.tokens) / result.total_seconds
+                if result.total_seconds > 0
+                else None,
+            }
+            logged.append(row)
+            _append(out / REQUESTS, row)
+        update = strategy.update(generations)
+        tokens = sum(len(g.tokens) for g in generations)
+        verifications = sum(g.num_verifications for g in generations)
+        committed = sum(sum(len(r.committed) for r in g.records) for g in generations)
+        summary = {
+            "round": index,
+            "strategy": strategy.name,
+            "requests": len(chunk),
+            "tau": committed / verifications if verifications else float("nan"),
+            "tokens_per_s": tokens / served_seconds if served_seconds > 0 else float("nan"),
+            "net_tokens_per_s": tokens / (served_seconds + update["update_seconds"])
+            if served_seconds > 0
+            else float("nan"),
+            **update,
+            **prequential_summary(logged),
+        }
+        from lightning_spec.io import atomic_path
+
+        with atomic_path(checkpoint) as tmp:
+            torch.save({"round": index, "strategy": strategy.state_dict()}, tmp)
+        rounds.append(summary)
+        _write_lines(out / ROUNDS, rounds)
+        if logger is not None:
+            logger.log_metrics({f"online/{k}": float(v) for k, v in summary.items()
+                                if isinstance(v, (int, float))}, index)  # fmt: skip
+        log.info(
+            "round %d/%d (%s): tau %.2f, prequential tau %.2f, %.1f tok/s, update %.1f s",
+            index + 1, total_rounds, strategy.name, summary["tau"],
+            summary["prequential_tau"], summary["tokens_per_s"], update["update_seconds"],
+        )  # fmt: skip
+    return logged
+
+
+def prequential_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Means over every request served so far (each by the model that existed before it)."""
+    taus = [r["tau"] for r in rows if r["tau"] is not None and math.isfinite(r["tau"])]
+    rates = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
+    return {
+        "prequential_tau": sum(taus) / len(taus) if taus else float("nan"),
+        "prequential_tokens_per_s": sum(rates) / len(rates) if rates else float("nan"),
+        "served": float(len(rows)),
+    }

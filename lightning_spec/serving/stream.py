@@ -1,0 +1,62 @@
+"""A request stream with domain shifts: ordered segments of prompts from several sources.
+
+OnlineSpec is judged on streams whose topic drifts (chat, then code, then maths): a `Segment`
+names a prompt source (``sharegpt``, ``mtbench``, ``humaneval`` or a JSONL path) and how many
+requests it contributes; segments follow each other in the given order, and prompts inside a
+segment are shuffled with the stream's seed (a second seed is a second stream of the same mix).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Request", "Segment", "build_stream"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    source: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    domain: str
+    id: str
+    prompt: list[int]
+
+
+def build_stream(
+    tokenizer: Any, segments: Sequence[Segment], *, seed: int = 0, max_prompt_tokens: int = 1024
+) -> list[Request]:
+    """The stream's requests in serving order (prompts longer than `max_prompt_tokens` are
+    skipped, so a segment may come out shorter than asked: it is said in the error)."""
+    from lightning_spec import specs
+
+    if not segments:
+        raise ValueError("a stream needs at least one segment")
+    generator = random.Random(seed)
+    requests: list[Request] = []
+    for segment in segments:
+        if segment.count < 1:
+            raise ValueError(f"segment {segment.source!r}: count must be >= 1")
+        small = segment.source.strip().lower() in ("mtbench", "mt-bench", "humaneval")
+        limit = None if small else max(4 * segment.count, 200)  # ShareGPT: not all 17k
+        _, items = specs.load_prompts(segment.source, tokenizer, limit, "first")
+        items = [item for item in items if len(item[0]) <= max_prompt_tokens]
+        if len(items) < segment.count:
+            raise ValueError(
+                f"segment {segment.source!r} asks for {segment.count} prompts, the source has "
+                f"{len(items)} of at most {max_prompt_tokens} tokens"
+            )
+        chosen = generator.sample(range(len(items)), segment.count)
+        for position in chosen:
+            prompt, meta = items[position]
+            requests.append(
+                Request(len(requests), segment.source, str(meta.get("id")), list(prompt))
+            )
+    return requests

@@ -1,0 +1,106 @@
+"""OnlineSpec on tiny models: the feedback is the decoder's own features and the target's own
+tokens (no second target pass), OGD lowers the round's loss, the loop is prequential, and a
+killed stream resumes at its round with the same results as an uninterrupted one."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_spec.decoding.build import parse_tree_spec
+from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
+from lightning_spec.models.target import TargetModel
+from lightning_spec.models.tiny import tiny_config
+from lightning_spec.objectives.online import feedback_batch, make_strategy, online_loss
+from lightning_spec.serving.online import run_stream
+from lightning_spec.serving.stream import Request
+
+
+def _helpers():  # noqa: ANN202
+    path = Path(__file__).with_name("test_sft.py")
+    spec = importlib.util.spec_from_file_location("sft_helpers_online", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HELPERS = _helpers()
+POLICY = "dynamic:3,3,8"
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
+
+
+def _requests(count: int = 6) -> list[Request]:
+    generator = torch.Generator().manual_seed(4)
+    return [
+        Request(i, "ab"[i // 3], f"r{i}", torch.randint(3, 128, (6,), generator=generator).tolist())
+        for i in range(count)
+    ]
+
+
+def test_feedback_is_the_decoders_features_and_the_targets_tokens(target: TargetModel) -> None:
+    drafter = HELPERS._drafter(target)
+    decoder = SpeculativeDecoder(target, drafter, parse_tree_spec(POLICY), keep_features=True)
+    prompt = [5, 9, 14, 3, 22]
+    generation = decoder.generate(prompt, 12, stop_on_eos=False)
+    assert generation.tokens == autoregressive_generate(target, prompt, 12, stop_on_eos=False)
+    batch = feedback_batch([generation])
+    sequence = prompt + generation.tokens
+    assert batch["input_ids"][0].tolist() == sequence
+    with torch.no_grad():
+        fresh = target(torch.tensor([sequence]), use_cache=False).features[0]
+    # the kept features equal a fresh target pass: nothing needs computing twice
+    torch.testing.assert_close(batch["features"][0, :-1], fresh[:-1], atol=1e-4, rtol=1e-4)
+    assert batch["loss_mask"][0].tolist() == [0] * len(prompt) + [1] * len(generation.tokens)
+    loss, labels = online_loss(drafter, batch, ttt_steps=2)
+    assert torch.isfinite(loss) and labels > 0
+
+
+def test_ogd_lowers_the_loss_of_the_round_it_learned_from(target: TargetModel) -> None:
+    drafter = HELPERS._drafter(target)
+    decoder = SpeculativeDecoder(target, drafter, parse_tree_spec(POLICY), keep_features=True)
+    generations = [decoder.generate(r.prompt, 16, stop_on_eos=False) for r in _requests(3)]
+    ogd = make_strategy("ogd", drafter, lr=3e-3, steps_per_round=5)
+    first = ogd.update(generations)
+    second = ogd.update(generations)
+    assert second["online_loss"] < first["online_loss"]
+    assert first["update_seconds"] > 0 and first["labels"] > 0
+    # the starting drafter is untouched (the strategy trains its own copy)
+    frozen = make_strategy("frozen", drafter)
+    assert frozen.update(generations)["online_loss"] == pytest.approx(first["online_loss"])
+    with pytest.raises(ValueError, match="unknown online strategy"):
+        make_strategy("sgd", drafter)
+
+
+def test_a_killed_stream_resumes_at_its_round(target: TargetModel, tmp_path: Path) -> None:
+    policy = parse_tree_spec(POLICY)
+    requests = _requests(6)
+    options = {"lr": 3e-3, "steps_per_round": 2}
+    straight = run_stream(
+        target, make_strategy("ogd", HELPERS._drafter(target), **options), policy, requests,
+        out_dir=tmp_path / "straight", round_size=2, max_new_tokens=10,
+    )  # fmt: skip
+    assert [r["request"] for r in straight] == list(range(6))
+    # "killed" after two rounds: the first run only had four requests
+    run_stream(
+        target, make_strategy("ogd", HELPERS._drafter(target), **options), policy, requests[:4],
+        out_dir=tmp_path / "resumed", round_size=2, max_new_tokens=10,
+    )  # fmt: skip
+    with (tmp_path / "resumed" / "requests.jsonl").open("a") as handle:
+        handle.write(json.dumps({"round": 2, "request": 4, "tau": 9.0}) + "\n{torn")  # unfinished
+    resumed = run_stream(
+        target, make_strategy("ogd", HELPERS._drafter(target), **options), policy, requests,
+        out_dir=tmp_path / "resumed", round_size=2, max_new_tokens=10,
+    )  # fmt: skip
+    assert [r["request"] for r in resumed] == list(range(6))
+    assert [r["tau"] for r in resumed] == pytest.approx([r["tau"] for r in straight])
+    rounds = [json.loads(line) for line in (tmp_path / "resumed" / "rounds.jsonl").open()]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert rounds[-1]["served"] == 6.0 and rounds[-1]["net_tokens_per_s"] > 0
