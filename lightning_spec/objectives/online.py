@@ -17,6 +17,12 @@ Strategies share one interface (`OnlineStrategy`): `drafter` is what the next ro
 
 * `FrozenStrategy`: no update (the baseline every other strategy is measured against).
 * `OGDStrategy`: online gradient descent, a few optimizer steps per round on the round's loss.
+* `OptimisticStrategy`: optimistic online gradient descent with the last round's gradient as the
+  hint: w_hat <- w_hat - eta g_t, w_{t+1} = w_hat - eta g_t (two states); ``momentum > 0`` gives
+  the persistent-momentum SGD the authors' code uses instead.
+* `EnsembleStrategy`: base learners (OGD) on a geometric grid of learning rates; the served
+  drafter is their parameter average under Hedge weights, p_i ~ exp(-epsilon * cumulative loss_i)
+  (``weighting: hedge``) or softmax(-last loss_i / temperature) (``weighting: softmax``).
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ from lightning_spec.objectives import losses
 from lightning_spec.objectives.sft import _draft_ids, ttt_loss_masks, ttt_unroll
 
 __all__ = [
+    "EnsembleStrategy",
     "FrozenStrategy",
     "OGDStrategy",
+    "OptimisticStrategy",
     "OnlineStrategy",
     "feedback_batch",
     "make_strategy",
@@ -195,10 +203,183 @@ class OGDStrategy:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
+def _trainable(drafter: Drafter) -> list[Tensor]:
+    return [p for p in drafter.parameters() if p.requires_grad]
+
+
+def _round_gradient(
+    drafter: Drafter, batch: dict[str, Tensor], ttt_steps: int, clip: float
+) -> tuple[float, int, list[Tensor] | None]:
+    """(loss, labels, clipped gradient of the trainable parameters; None if non-finite)."""
+    drafter.train()
+    loss, labels = online_loss(drafter, batch, ttt_steps=ttt_steps)
+    drafter.zero_grad()
+    if not torch.isfinite(loss):
+        drafter.eval()
+        return float(loss.detach()), labels, None
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(drafter.parameters(), clip)
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+             for p in _trainable(drafter)]  # fmt: skip
+    drafter.zero_grad()
+    drafter.eval()
+    return float(loss.detach()), labels, grads
+
+
+class OptimisticStrategy:
+    """Optimistic OGD with the last gradient as hint (see the module docstring)."""
+
+    name = "optimistic"
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        *,
+        lr: float = 1e-4,
+        momentum: float = 0.0,
+        ttt_steps: int = 2,
+        grad_clip: float = 0.5,
+    ) -> None:
+        if lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError("optimistic needs lr > 0 and 0 <= momentum < 1")
+        self.drafter = copy.deepcopy(drafter).float().eval()
+        self.lr, self.momentum = float(lr), float(momentum)
+        self.ttt_steps, self.grad_clip = int(ttt_steps), float(grad_clip)
+        self.secondary = [p.detach().clone() for p in _trainable(self.drafter)]  # w_hat
+        self.velocity = [torch.zeros_like(p) for p in self.secondary]
+
+    def update(self, generations: Sequence[Generation]) -> dict[str, float]:
+        batch = feedback_batch(generations)
+        if batch is None:
+            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
+        tic = time.perf_counter()
+        loss, labels, grads = _round_gradient(self.drafter, batch, self.ttt_steps, self.grad_clip)
+        if grads is not None:
+            with torch.no_grad():
+                for param, hat, grad, velocity in zip(
+                    _trainable(self.drafter), self.secondary, grads, self.velocity, strict=True
+                ):
+                    if self.momentum > 0:  # the authors' approximation: persistent momentum
+                        velocity.mul_(self.momentum).add_(grad)
+                        param.sub_(self.lr * velocity)
+                        hat.copy_(param)
+                    else:
+                        hat.sub_(self.lr * grad)  # w_hat_{t+1} = w_hat_t - eta g_t
+                        param.copy_(hat - self.lr * grad)  # hint h_{t+1} = g_t
+        return {"online_loss": loss, "update_seconds": time.perf_counter() - tic,
+                "labels": float(labels)}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drafter": self.drafter.state_dict(), "secondary": self.secondary,
+                "velocity": self.velocity}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drafter.load_state_dict(state["drafter"])
+        self.secondary = [t.clone() for t in state["secondary"]]
+        self.velocity = [t.clone() for t in state["velocity"]]
+
+
+class EnsembleStrategy:
+    """Hedge-weighted parameter average of OGD learners (see the module docstring)."""
+
+    name = "ensemble"
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        *,
+        lr: float = 1e-4,
+        learners: int = 3,
+        ratio: float = 2.0,
+        epsilon: float = 0.2,
+        weighting: str = "hedge",
+        temperature: float = 1.0,
+        steps_per_round: int = 1,
+        ttt_steps: int = 2,
+        grad_clip: float = 0.5,
+    ) -> None:
+        if learners < 1 or ratio <= 0 or epsilon <= 0 or temperature <= 0:
+            raise ValueError("ensemble needs learners >= 1, ratio, epsilon, temperature > 0")
+        if weighting not in ("hedge", "softmax"):
+            raise ValueError(f"weighting must be hedge or softmax, got {weighting!r}")
+        self.learners = [
+            OGDStrategy(drafter, lr=lr * ratio**i, steps_per_round=steps_per_round,
+                        ttt_steps=ttt_steps, grad_clip=grad_clip)
+            for i in range(learners)
+        ]  # fmt: skip
+        self.rates = [lr * ratio**i for i in range(learners)]
+        self.epsilon, self.weighting, self.temperature = float(epsilon), weighting, temperature
+        self.cumulative = torch.zeros(learners, dtype=torch.float64)
+        self.last = torch.zeros(learners, dtype=torch.float64)
+        self.drafter = copy.deepcopy(drafter).float().eval()
+        self._average()
+
+    def weights(self) -> Tensor:
+        """[n] the Hedge (or softmax) weights of the base learners."""
+        if self.weighting == "hedge":
+            scores = -self.epsilon * self.cumulative
+        else:
+            scores = -self.last / self.temperature
+        return torch.softmax(scores, dim=0)
+
+    def _average(self) -> None:
+        weights = self.weights().float()
+        with torch.no_grad():
+            served = _trainable(self.drafter)
+            stacks = [_trainable(learner.drafter) for learner in self.learners]
+            for index, param in enumerate(served):
+                param.copy_(sum(w * stack[index] for w, stack in zip(weights, stacks, strict=True)))
+
+    def update(self, generations: Sequence[Generation]) -> dict[str, float]:
+        batch = feedback_batch(generations)
+        if batch is None:
+            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
+        tic = time.perf_counter()
+        with torch.no_grad():
+            served, labels = online_loss(self.drafter, batch, ttt_steps=self.learners[0].ttt_steps)
+        losses_now = torch.tensor(
+            [learner.update(generations)["online_loss"] for learner in self.learners],
+            dtype=torch.float64,
+        )
+        finite = torch.isfinite(losses_now)
+        losses_now = torch.where(finite, losses_now, losses_now[finite].max() if finite.any()
+                                 else torch.zeros_like(losses_now))  # fmt: skip
+        self.cumulative += losses_now
+        self.last = losses_now
+        self._average()
+        metrics = {"online_loss": float(served), "update_seconds": time.perf_counter() - tic,
+                   "labels": float(labels)}  # fmt: skip
+        for index, weight in enumerate(self.weights().tolist()):
+            metrics[f"weight_{index}"] = weight
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "learners": [learner.state_dict() for learner in self.learners],
+            "cumulative": self.cumulative,
+            "last": self.last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for learner, saved in zip(self.learners, state["learners"], strict=True):
+            learner.load_state_dict(saved)
+        self.cumulative = state["cumulative"].clone()
+        self.last = state["last"].clone()
+        self._average()
+
+
+STRATEGIES = {
+    "frozen": FrozenStrategy,
+    "ogd": OGDStrategy,
+    "optimistic": OptimisticStrategy,
+    "ensemble": EnsembleStrategy,
+}
+
+
 def make_strategy(name: str, drafter: Drafter, **options: Any) -> OnlineStrategy:
-    """A strategy by name (`frozen`, `ogd`) with its options."""
+    """A strategy by name (`STRATEGIES`) with its options (unknown options: TypeError)."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown online strategy {name!r}; available: {', '.join(STRATEGIES)}")
     if name == "frozen":
         return FrozenStrategy(drafter, ttt_steps=int(options.get("ttt_steps", 2)))
-    if name == "ogd":
-        return OGDStrategy(drafter, **options)
-    raise ValueError(f"unknown online strategy {name!r}; available: frozen, ogd")
+    return STRATEGIES[name](drafter, **options)

@@ -104,3 +104,58 @@ def test_a_killed_stream_resumes_at_its_round(target: TargetModel, tmp_path: Pat
     rounds = [json.loads(line) for line in (tmp_path / "resumed" / "rounds.jsonl").open()]
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[-1]["served"] == 6.0 and rounds[-1]["net_tokens_per_s"] > 0
+
+
+def _round(target: TargetModel, drafter, count: int = 2) -> list:  # noqa: ANN001
+    decoder = SpeculativeDecoder(target, drafter, parse_tree_spec(POLICY), keep_features=True)
+    return [decoder.generate(r.prompt, 12, stop_on_eos=False) for r in _requests(count)]
+
+
+def test_optimistic_update_uses_the_last_gradient_as_hint(target: TargetModel) -> None:
+    from lightning_spec.objectives.online import _round_gradient, _trainable
+
+    drafter = HELPERS._drafter(target)
+    generations = _round(target, drafter)
+    batch = feedback_batch(generations)
+    lr = 1e-2
+    strategy = make_strategy("optimistic", drafter, lr=lr, grad_clip=1e9)
+    start = [p.detach().clone() for p in _trainable(strategy.drafter)]
+    probe = make_strategy("optimistic", drafter, lr=lr, grad_clip=1e9)  # same start, for g
+    _, _, g1 = _round_gradient(probe.drafter, batch, 2, 1e9)
+    strategy.update(generations)
+    for w, w0, g in zip(_trainable(strategy.drafter), start, g1, strict=True):
+        torch.testing.assert_close(w, w0 - 2 * lr * g, atol=1e-6, rtol=1e-5)  # w_hat - eta g
+    for hat, w0, g in zip(strategy.secondary, start, g1, strict=True):
+        torch.testing.assert_close(hat, w0 - lr * g, atol=1e-6, rtol=1e-5)
+    momentum = make_strategy("optimistic", drafter, lr=lr, momentum=0.9)
+    assert momentum.update(generations)["online_loss"] > 0
+
+
+def test_ensemble_serves_the_hedge_weighted_average(target: TargetModel) -> None:
+    from lightning_spec.objectives.online import _trainable
+
+    drafter = HELPERS._drafter(target)
+    generations = _round(target, drafter)
+    ensemble = make_strategy("ensemble", drafter, lr=1e-3, learners=3, ratio=4.0, epsilon=0.5)
+    metrics = ensemble.update(generations)
+    weights = ensemble.weights()
+    assert float(weights.sum()) == pytest.approx(1.0)
+    assert [metrics[f"weight_{i}"] for i in range(3)] == pytest.approx(weights.tolist())
+    best = int(ensemble.cumulative.argmin())
+    assert int(weights.argmax()) == best  # Hedge favours the lowest cumulative loss
+    for index, served in enumerate(_trainable(ensemble.drafter)):
+        expected = sum(
+            float(w) * _trainable(learner.drafter)[index]
+            for w, learner in zip(weights, ensemble.learners, strict=True)
+        )
+        torch.testing.assert_close(served, expected, atol=1e-6, rtol=1e-5)
+    # restored from its state, it serves the very same drafter
+    copy = make_strategy("ensemble", drafter, lr=1e-3, learners=3, ratio=4.0, epsilon=0.5)
+    copy.load_state_dict(ensemble.state_dict())
+    for a, b in zip(_trainable(copy.drafter), _trainable(ensemble.drafter), strict=True):
+        assert torch.equal(a, b)
+    softmax = make_strategy("ensemble", drafter, learners=2, weighting="softmax")
+    softmax.update(generations)
+    assert float(softmax.weights().sum()) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="weighting"):
+        make_strategy("ensemble", drafter, weighting="max")
