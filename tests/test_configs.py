@@ -219,6 +219,7 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
                 "round_size": 2,
                 "max_new_tokens": 6,
                 "strategy": {"name": "ogd", "lr": 1e-3, "steps_per_round": 1},
+                "guard": {"source": tiny_cli_assets["chats"], "prompts": 2, "max_new_tokens": 4},
                 "out_dir": str(tmp_path / "online"),
                 "threads": 1,
             }

@@ -22,7 +22,7 @@ import yaml
 __all__ = ["load_config", "main"]
 
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
-        "strategy", "out_dir", "experiment", "threads", "prepack"}  # fmt: skip
+        "strategy", "out_dir", "experiment", "threads", "prepack", "guard"}  # fmt: skip
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -94,8 +94,24 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_spec.models.packed import prepack_where_possible
 
         prepack_where_possible({"target": target.model}, who="online")
+    guard = None
+    exclude: set[tuple[str, str]] = set()
+    if config.get("guard"):
+        from lightning_spec.serving.online import SafetyGuard
+
+        spec = dict(config["guard"])
+        source = str(spec.get("source", "mtbench"))
+        _, probe = specs.load_prompts(
+            source, target.tokenizer, int(spec.get("prompts", 4)), "first"
+        )
+        exclude = {(source, str(meta.get("id"))) for _, meta in probe}  # held out of the stream
+        guard = SafetyGuard(
+            prompts=[ids for ids, _ in probe],
+            margin=float(spec.get("margin", 0.05)),
+            max_new_tokens=int(spec.get("max_new_tokens", 32)),
+        )
     segments = [Segment(str(s["source"]), int(s["count"])) for s in config["stream"]]
-    requests = build_stream(target.tokenizer, segments, seed=int(config["seed"]))
+    requests = build_stream(target.tokenizer, segments, seed=int(config["seed"]), exclude=exclude)
     options = {k: v for k, v in config["strategy"].items() if k != "name"}
     try:
         strategy = make_strategy(str(config["strategy"]["name"]), drafter, **options)
@@ -115,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         round_size=int(config["round_size"]),
         max_new_tokens=int(config["max_new_tokens"]),
         logger=logger,
+        guard=guard,
     )
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]

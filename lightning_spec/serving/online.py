@@ -6,6 +6,9 @@ target features it computed anyway), records per request tau, tokens/s and wall 
 the strategy update from the round (`objectives.online`). Test first, train second: a round is
 always served by the model that existed before it, so the per-request figures are prequential.
 
+An optional `SafetyGuard` measures tau on a few held-out prompts before and after each update
+and rolls back an update that lowers it by more than a margin (logged as ``rolled_back``).
+
 The update's time is charged to throughput (`net_tokens_per_s`: served tokens over serving plus
 update time), the honest figure when updates run in the serving process.
 
@@ -18,11 +21,14 @@ first round not checkpointed, and requests logged by that unfinished round are s
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,7 @@ from lightning_spec.serving.stream import Request
 
 log = logging.getLogger(__name__)
 
-__all__ = ["run_stream", "prequential_summary"]
+__all__ = ["SafetyGuard", "prequential_summary", "run_stream"]
 
 CHECKPOINT = "round.pt"
 REQUESTS = "requests.jsonl"
@@ -67,6 +73,51 @@ def _append(path: Path, row: dict[str, Any]) -> None:
         os.fsync(handle.fileno())
 
 
+@dataclass
+class SafetyGuard:
+    """Roll back an update that costs acceptance: tau of the served drafter on a few held-out
+    `prompts` is measured before and after each update; a drop by more than `margin` (relative)
+    restores the strategy's state from before the update. Its decoding time is charged to the
+    update (it is part of what updating costs)."""
+
+    prompts: list[list[int]]
+    margin: float = 0.05
+    max_new_tokens: int = 32
+
+    def tau(self, target: Any, drafter: Any, policy: TreePolicy) -> float:
+        decoder = SpeculativeDecoder(target, drafter, policy)
+        results = [decoder.generate(p, self.max_new_tokens) for p in self.prompts]
+        verifications = sum(r.num_verifications for r in results)
+        committed = sum(sum(len(s.committed) for s in r.records) for r in results)
+        return committed / verifications if verifications else float("nan")
+
+
+def _guarded_update(
+    target: Any,
+    strategy: OnlineStrategy,
+    policy: TreePolicy,
+    generations: list[Any],
+    guard: SafetyGuard | None,
+) -> dict[str, Any]:
+    if guard is None:
+        return strategy.update(generations)
+    tic = time.perf_counter()
+    before = guard.tau(target, strategy.drafter, policy)
+    saved = copy.deepcopy(strategy.state_dict())
+    update = strategy.update(generations)
+    after = guard.tau(target, strategy.drafter, policy)
+    rolled_back = math.isfinite(before) and after < before * (1 - guard.margin)
+    if rolled_back:
+        strategy.load_state_dict(saved)
+        log.warning("update rolled back: probe tau %.3f -> %.3f (margin %.0f%%)",
+                    before, after, 100 * guard.margin)  # fmt: skip
+    update = dict(update)
+    update.update(probe_tau_before=before, probe_tau_after=after,
+                  rolled_back=float(rolled_back),
+                  update_seconds=time.perf_counter() - tic)  # fmt: skip
+    return update
+
+
 def run_stream(
     target: Any,
     strategy: OnlineStrategy,
@@ -77,9 +128,11 @@ def run_stream(
     round_size: int = 25,
     max_new_tokens: int = 64,
     logger: Any = None,
+    guard: SafetyGuard | None = None,
 ) -> list[dict[str, Any]]:
     """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
-    request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round."""
+    request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
+    (optional) rolls back updates that lower a held-out probe's tau (`SafetyGuard`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start_round = 0
@@ -118,7 +171,7 @@ def run_stream(
             }
             logged.append(row)
             _append(out / REQUESTS, row)
-        update = strategy.update(generations)
+        update = _guarded_update(target, strategy, policy, generations, guard)
         tokens = sum(len(g.tokens) for g in generations)
         verifications = sum(g.num_verifications for g in generations)
         committed = sum(sum(len(r.committed) for r in g.records) for g in generations)

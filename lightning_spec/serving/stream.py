@@ -31,10 +31,16 @@ class Request:
 
 
 def build_stream(
-    tokenizer: Any, segments: Sequence[Segment], *, seed: int = 0, max_prompt_tokens: int = 1024
+    tokenizer: Any,
+    segments: Sequence[Segment],
+    *,
+    seed: int = 0,
+    max_prompt_tokens: int = 1024,
+    exclude: set[tuple[str, str]] | None = None,
 ) -> list[Request]:
-    """The stream's requests in serving order (prompts longer than `max_prompt_tokens` are
-    skipped, so a segment may come out shorter than asked: it is said in the error)."""
+    """The stream's requests in serving order. Prompts longer than `max_prompt_tokens` and
+    (source, id) pairs in `exclude` (a held-out probe) are left out; a segment the source
+    cannot fill is an error that says so."""
     from lightning_spec import specs
 
     if not segments:
@@ -47,7 +53,12 @@ def build_stream(
         small = segment.source.strip().lower() in ("mtbench", "mt-bench", "humaneval")
         limit = None if small else max(4 * segment.count, 200)  # ShareGPT: not all 17k
         _, items = specs.load_prompts(segment.source, tokenizer, limit, "first")
-        items = [item for item in items if len(item[0]) <= max_prompt_tokens]
+        held_out = {i for src, i in (exclude or set()) if src == segment.source}
+        items = [
+            item
+            for item in items
+            if len(item[0]) <= max_prompt_tokens and str(item[1].get("id")) not in held_out
+        ]
         if len(items) < segment.count:
             raise ValueError(
                 f"segment {segment.source!r} asks for {segment.count} prompts, the source has "

@@ -159,3 +159,35 @@ def test_ensemble_serves_the_hedge_weighted_average(target: TargetModel) -> None
     assert float(softmax.weights().sum()) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="weighting"):
         make_strategy("ensemble", drafter, weighting="max")
+
+
+def test_the_safety_guard_rolls_back_an_update_that_costs_acceptance(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+    from lightning_spec.objectives.online import _trainable
+    from lightning_spec.objectives.sft import EagleSFT
+    from lightning_spec.serving.online import SafetyGuard
+
+    policy = parse_tree_spec(POLICY)
+    drafter = Eagle3Drafter.from_target(target, intermediate_size=64)  # the full vocabulary
+    prompts = [r.prompt for r in _requests(2)]
+    texts = torch.tensor([p + autoregressive_generate(target, p, 16, stop_on_eos=False)
+                          for p in prompts])  # fmt: skip
+    sft = EagleSFT.from_objects(target, drafter, ttt_steps=3)
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(60):  # a drafter that accepts on the probe, so there is tau to lose
+        optimizer.zero_grad()
+        sft._common_step({"input_ids": texts, "loss_mask": torch.ones_like(texts)}).loss.backward()
+        optimizer.step()
+    strategy = make_strategy("ogd", drafter, lr=5.0, steps_per_round=3)  # wrecks the drafter
+    start = [p.detach().clone() for p in _trainable(strategy.drafter)]
+    guard = SafetyGuard(prompts=prompts, margin=0.05, max_new_tokens=12)
+    run_stream(target, strategy, policy, _requests(2), out_dir=tmp_path, round_size=2,
+               max_new_tokens=10, guard=guard)  # fmt: skip
+    (summary,) = [json.loads(line) for line in (tmp_path / "rounds.jsonl").open()]
+    assert summary["probe_tau_before"] > 1.5
+    assert summary["probe_tau_after"] < summary["probe_tau_before"] * 0.95
+    assert summary["rolled_back"] == 1.0
+    for param, before in zip(_trainable(strategy.drafter), start, strict=True):
+        assert torch.equal(param, before)  # restored exactly
