@@ -14,6 +14,7 @@ Sections:
 5. GTO: tree rewards, debiasing, group advantages, the clipped surrogate; arXiv 2509.22134
 6. Draft-OPD: forward / reverse KL rows and their per-token estimators, block-position
    weights, the combined loss; arXiv 2605.29343
+7. Online preference updates (OnlineSpec's DPO variant): the DPO loss
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "bernoulli_forward_kl",
     "block_position_weights",
     "clipped_surrogate",
+    "dpo_loss",
     "draft_opd_loss",
     "forward_kl_rows",
     "k3_reverse_kl",
@@ -302,3 +304,18 @@ def draft_opd_loss(
         lambda_accepted + lambda_rejected
     )
     return total, accepted, rejected
+
+
+# --------------------------------------------------------------------------------------------
+# 7. Preferences (ALGORITHMS.md section 4, the Online-LR variant)
+# --------------------------------------------------------------------------------------------
+
+
+def dpo_loss(
+    *, chosen: Tensor, rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor, beta: float
+) -> Tensor:
+    """Mean -log sigmoid(beta ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r)))) over pairs
+    [P] of log-probs: push the chosen (target) token up and the rejected draft down, relative to
+    the reference, with beta bounding how far one round moves."""
+    margin = (chosen - ref_chosen) - (rejected - ref_rejected)
+    return -F.logsigmoid(beta * margin).mean()

@@ -23,6 +23,15 @@ Strategies share one interface (`OnlineStrategy`): `drafter` is what the next ro
 * `EnsembleStrategy`: base learners (OGD) on a geometric grid of learning rates; the served
   drafter is their parameter average under Hedge weights, p_i ~ exp(-epsilon * cumulative loss_i)
   (``weighting: hedge``) or softmax(-last loss_i / temperature) (``weighting: softmax``).
+* `OSDStrategy`: the OSD baseline (online speculative decoding): distil the target only at the
+  positions where the drafter's drafts were rejected, from a buffer of the last rounds.
+* `DPOStrategy`: preference pairs at every tried-and-rejected draft (prefix = the committed
+  sequence before its slot; chosen = the target's token there, rejected = the draft), trained
+  with the DPO loss against the drafter as it was at the start of the round (beta = 0.1).
+
+Positions: a tried draft at depth k of a step anchored at a sits at sequence position a + k;
+its context is the committed prefix (its parent was the root or accepted), so the target's
+choice there is the committed token at a + k, the hard label at T = 0.
 """
 
 from __future__ import annotations
@@ -41,14 +50,17 @@ from lightning_spec.objectives import losses
 from lightning_spec.objectives.sft import _draft_ids, ttt_loss_masks, ttt_unroll
 
 __all__ = [
+    "DPOStrategy",
     "EnsembleStrategy",
     "FrozenStrategy",
+    "OSDStrategy",
     "OGDStrategy",
     "OptimisticStrategy",
     "OnlineStrategy",
     "feedback_batch",
     "make_strategy",
     "online_loss",
+    "rejection_slots",
 ]
 
 
@@ -368,11 +380,197 @@ class EnsembleStrategy:
         self._average()
 
 
+def rejection_slots(generation: Generation) -> list[tuple[int, int]]:
+    """(position, rejected draft token) of every tried-and-rejected draft of `generation`
+    (positions index prompt + tokens; see the module docstring)."""
+    out = []
+    length = len(generation.prompt) + len(generation.tokens)
+    for record in generation.records:
+        if record.rejected.numel() == 0:
+            continue
+        depth = record.tree.depth[record.rejected].tolist()
+        tokens = record.tree.tokens[record.rejected].tolist()
+        for k, token in zip(depth, tokens, strict=True):
+            position = int(record.anchor) + int(k)
+            if position < length:
+                out.append((position, int(token)))
+    return out
+
+
+def _rejection_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | None:
+    """`feedback_batch` whose loss mask holds only the positions of rejected drafts."""
+    kept = [g for g in generations if g.features is not None and len(g.tokens) >= 2]
+    batch = feedback_batch(kept)
+    if batch is None:
+        return None
+    mask = torch.zeros_like(batch["loss_mask"])
+    for row, generation in enumerate(kept):
+        for position, _ in rejection_slots(generation):
+            mask[row, position] = 1
+    if not bool(mask.any()):
+        return None
+    batch["loss_mask"] = mask
+    return batch
+
+
+class OSDStrategy:
+    """OSD: distillation at rejected positions from a buffer of recent rounds."""
+
+    name = "osd"
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        *,
+        lr: float = 1e-4,
+        buffer_rounds: int = 4,
+        steps_per_round: int = 2,
+        ttt_steps: int = 1,
+        grad_clip: float = 0.5,
+    ) -> None:
+        if buffer_rounds < 1:
+            raise ValueError("osd needs buffer_rounds >= 1")
+        self.learner = OGDStrategy(drafter, lr=lr, steps_per_round=steps_per_round,
+                                   ttt_steps=ttt_steps, grad_clip=grad_clip)  # fmt: skip
+        self.drafter = self.learner.drafter
+        self.buffer_rounds = int(buffer_rounds)
+        self.buffer: list[dict[str, Tensor]] = []
+
+    def update(self, generations: Sequence[Generation]) -> dict[str, float]:
+        tic = time.perf_counter()
+        batch = _rejection_batch(generations)
+        if batch is not None:
+            self.buffer = (self.buffer + [batch])[-self.buffer_rounds :]
+        if not self.buffer:
+            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
+        served = float("nan")
+        labels = 0
+        self.drafter.train()
+        for step in range(self.learner.steps_per_round):
+            total = torch.zeros(())
+            for round_batch in self.buffer:
+                loss, count = online_loss(
+                    self.drafter, round_batch, ttt_steps=self.learner.ttt_steps
+                )
+                total = total + loss / len(self.buffer)
+                labels = count if round_batch is self.buffer[-1] else labels
+            if step == 0:
+                served = float(total.detach())
+            if not torch.isfinite(total):
+                break
+            self.learner.optimizer.zero_grad()
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.learner.grad_clip)
+            self.learner.optimizer.step()
+        self.drafter.eval()
+        return {"online_loss": served, "update_seconds": time.perf_counter() - tic,
+                "labels": float(labels), "buffer_rounds": float(len(self.buffer))}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"learner": self.learner.state_dict(), "buffer": self.buffer}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.learner.load_state_dict(state["learner"])
+        self.buffer = list(state["buffer"])
+
+
+def _pair_logprobs(
+    drafter: Drafter, batch: dict[str, Tensor], pairs: list[tuple[int, int, int, int]]
+) -> tuple[Tensor, Tensor]:
+    """log q of the chosen and rejected token of each (row, position, chosen, rejected) pair,
+    from the drafter's teacher-forced step-0 pass (entry position - 2 predicts `position`)."""
+    device = next(drafter.parameters()).device
+    output = ttt_unroll(drafter, input_ids=batch["input_ids"].to(device),
+                        features=batch["features"].to(device), steps=1)[0]  # fmt: skip
+    log_q = torch.log_softmax(output.logits.float(), dim=-1)
+    rows = torch.tensor([p[0] for p in pairs], device=device)
+    entries = torch.tensor([p[1] - 2 for p in pairs], device=device)
+    chosen = drafter.target_to_draft_ids(torch.tensor([p[2] for p in pairs], device=device))
+    rejected = drafter.target_to_draft_ids(torch.tensor([p[3] for p in pairs], device=device))
+    picked = log_q[rows, entries]
+    return picked.gather(1, chosen.unsqueeze(1)).squeeze(1), picked.gather(
+        1, rejected.unsqueeze(1)
+    ).squeeze(1)
+
+
+class DPOStrategy:
+    """Preference updates at rejected drafts (see the module docstring)."""
+
+    name = "dpo"
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        *,
+        lr: float = 1e-5,
+        beta: float = 0.1,
+        steps_per_round: int = 2,
+        grad_clip: float = 0.5,
+        ttt_steps: int = 1,
+    ) -> None:
+        if beta <= 0:
+            raise ValueError("dpo needs beta > 0")
+        self.learner = OGDStrategy(drafter, lr=lr, steps_per_round=steps_per_round,
+                                   ttt_steps=ttt_steps, grad_clip=grad_clip)  # fmt: skip
+        self.drafter = self.learner.drafter
+        self.beta = float(beta)
+
+    def pairs(self, generations: Sequence[Generation]) -> tuple[dict[str, Tensor] | None, list]:
+        kept = [g for g in generations if g.features is not None and len(g.tokens) >= 2]
+        batch = feedback_batch(kept)
+        pairs = []
+        for row, generation in enumerate(kept):
+            sequence = generation.prompt + generation.tokens
+            for position, token in rejection_slots(generation):
+                chosen = sequence[position]
+                if position >= 2 and token != chosen:
+                    pairs.append((row, position, chosen, token))
+        if batch is None or not pairs:
+            return None, []
+        ids = [self.drafter.target_to_draft_ids(torch.tensor([c, r])) for *_, c, r in pairs]
+        usable = [p for p, d in zip(pairs, ids, strict=True) if bool((d >= 0).all())]
+        return batch, usable
+
+    def update(self, generations: Sequence[Generation]) -> dict[str, float]:
+        tic = time.perf_counter()
+        batch, pairs = self.pairs(generations)
+        if batch is None or not pairs:
+            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
+        reference = copy.deepcopy(self.drafter).eval()  # the drafter that served this round
+        with torch.no_grad():
+            ref_chosen, ref_rejected = _pair_logprobs(reference, batch, pairs)
+        served = float("nan")
+        self.drafter.train()
+        for step in range(self.learner.steps_per_round):
+            chosen, rejected = _pair_logprobs(self.drafter, batch, pairs)
+            loss = losses.dpo_loss(chosen=chosen, rejected=rejected, ref_chosen=ref_chosen,
+                            ref_rejected=ref_rejected, beta=self.beta)  # fmt: skip
+            if step == 0:
+                served = float(loss.detach())
+            if not torch.isfinite(loss):
+                break
+            self.learner.optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.learner.grad_clip)
+            self.learner.optimizer.step()
+        self.drafter.eval()
+        return {"online_loss": served, "update_seconds": time.perf_counter() - tic,
+                "labels": float(len(pairs))}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.learner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.learner.load_state_dict(state)
+
+
 STRATEGIES = {
     "frozen": FrozenStrategy,
     "ogd": OGDStrategy,
     "optimistic": OptimisticStrategy,
     "ensemble": EnsembleStrategy,
+    "osd": OSDStrategy,
+    "dpo": DPOStrategy,
 }
 
 

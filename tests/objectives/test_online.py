@@ -191,3 +191,46 @@ def test_the_safety_guard_rolls_back_an_update_that_costs_acceptance(
     assert summary["rolled_back"] == 1.0
     for param, before in zip(_trainable(strategy.drafter), start, strict=True):
         assert torch.equal(param, before)  # restored exactly
+
+
+def test_rejection_slots_are_where_the_target_chose_otherwise(target: TargetModel) -> None:
+    from lightning_spec.objectives.online import rejection_slots
+
+    drafter = HELPERS._drafter(target)
+    generations = _round(target, drafter, 3)
+    slots = [(g, s) for g in generations for s in rejection_slots(g)]
+    assert slots
+    for generation, (position, token) in slots:
+        sequence = generation.prompt + generation.tokens
+        assert sequence[position] != token  # at T = 0 a rejected draft is not the target's token
+
+
+def test_osd_and_dpo_learn_from_the_rejections(target: TargetModel) -> None:
+    from lightning_spec.objectives import losses
+
+    drafter = HELPERS._drafter(target)
+    generations = _round(target, drafter, 3)
+    osd = make_strategy("osd", drafter, lr=3e-3, buffer_rounds=2, steps_per_round=4)
+    first = osd.update(generations)
+    second = osd.update(generations)
+    assert second["online_loss"] < first["online_loss"] and second["buffer_rounds"] == 2.0
+    dpo = make_strategy("dpo", drafter, lr=3e-3, steps_per_round=3)
+    result = dpo.update(generations)
+    assert result["labels"] > 0 and result["online_loss"] == pytest.approx(
+        -torch.nn.functional.logsigmoid(torch.tensor(0.0)).item(), abs=1e-6
+    )  # the first step compares the drafter with itself: margin 0, loss log 2
+    batch, pairs = dpo.pairs(generations)
+    from lightning_spec.objectives.online import _pair_logprobs
+
+    with torch.no_grad():
+        chosen, rejected = _pair_logprobs(dpo.drafter, batch, pairs)
+        chosen0, rejected0 = _pair_logprobs(drafter, batch, pairs)
+    # after the update the chosen tokens gained on the rejected drafts
+    assert float(((chosen - chosen0) - (rejected - rejected0)).mean()) > 0
+    by_hand = losses.dpo_loss(
+        chosen=torch.tensor([-1.0]), rejected=torch.tensor([-2.0]),
+        ref_chosen=torch.tensor([-1.5]), ref_rejected=torch.tensor([-1.5]), beta=0.5,
+    )  # fmt: skip
+    assert float(by_hand) == pytest.approx(
+        -torch.nn.functional.logsigmoid(torch.tensor(0.5)).item()
+    )
