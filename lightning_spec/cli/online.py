@@ -22,7 +22,7 @@ import yaml
 __all__ = ["load_config", "main"]
 
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
-        "strategy", "out_dir", "experiment", "threads", "prepack", "guard"}  # fmt: skip
+        "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window"}  # fmt: skip
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=int(config["max_new_tokens"]),
         logger=logger,
         guard=guard,
+        regret_window=int(config.get("regret_window", 0)),
     )
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]

@@ -129,10 +129,12 @@ def run_stream(
     max_new_tokens: int = 64,
     logger: Any = None,
     guard: SafetyGuard | None = None,
+    regret_window: int = 0,
 ) -> list[dict[str, Any]]:
     """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
     request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
-    (optional) rolls back updates that lower a held-out probe's tau (`SafetyGuard`)."""
+    (optional) rolls back updates that lower a held-out probe's tau (`SafetyGuard`);
+    `regret_window` > 0 logs `regret_proxy` every that many rounds (see `regret_proxy`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start_round = 0
@@ -147,6 +149,7 @@ def run_stream(
     rounds = [r for r in _read_lines(out / ROUNDS) if r["round"] < start_round]
     _write_lines(out / ROUNDS, rounds)
     total_rounds = math.ceil(len(requests) / round_size)
+    window: list[tuple[dict[str, torch.Tensor], list[Any]]] = []
     for index in range(start_round, total_rounds):
         chunk = requests[index * round_size : (index + 1) * round_size]
         decoder = SpeculativeDecoder(target, strategy.drafter, policy, keep_features=True)
@@ -171,6 +174,8 @@ def run_stream(
             }
             logged.append(row)
             _append(out / REQUESTS, row)
+        if regret_window > 0:
+            window.append((_served_weights(strategy), generations))
         update = _guarded_update(target, strategy, policy, generations, guard)
         tokens = sum(len(g.tokens) for g in generations)
         verifications = sum(g.num_verifications for g in generations)
@@ -191,6 +196,9 @@ def run_stream(
 
         with atomic_path(checkpoint) as tmp:
             torch.save({"round": index, "strategy": strategy.state_dict()}, tmp)
+        if regret_window > 0 and len(window) == regret_window:
+            summary["regret_proxy"] = regret_proxy(strategy, window)
+            window.clear()
         rounds.append(summary)
         _write_lines(out / ROUNDS, rounds)
         if logger is not None:
@@ -202,6 +210,30 @@ def run_stream(
             summary["prequential_tau"], summary["tokens_per_s"], update["update_seconds"],
         )  # fmt: skip
     return logged
+
+
+def _served_weights(strategy: OnlineStrategy) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in strategy.drafter.state_dict().items()}
+
+
+def regret_proxy(strategy: OnlineStrategy, window: list[tuple[dict, list[Any]]]) -> float:
+    """Dynamic-regret proxy over a window of rounds: the summed online loss of the models that
+    served each round, minus that of the best single one of them in hindsight (each served
+    model evaluated on every round of the window). 0 for a frozen drafter; negative when the
+    updates tracked the stream better than any one model could."""
+    from lightning_spec.objectives.online import feedback_batch, online_loss
+
+    drafter = copy.deepcopy(strategy.drafter).eval()
+    batches = [feedback_batch(generations) for _, generations in window]
+    table = []
+    with torch.no_grad():
+        for weights, _ in window:
+            drafter.load_state_dict(weights)
+            table.append([float(online_loss(drafter, b)[0]) if b is not None else 0.0
+                          for b in batches])  # fmt: skip
+    served = sum(table[t][t] for t in range(len(window)))
+    best = min(sum(row) for row in table)
+    return served - best
 
 
 def prequential_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:

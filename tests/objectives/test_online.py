@@ -234,3 +234,19 @@ def test_osd_and_dpo_learn_from_the_rejections(target: TargetModel) -> None:
     assert float(by_hand) == pytest.approx(
         -torch.nn.functional.logsigmoid(torch.tensor(0.5)).item()
     )
+
+
+def test_regret_proxy_is_zero_for_frozen_and_logged_per_window(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    policy = parse_tree_spec(POLICY)
+    for name, options in (("frozen", {}), ("ogd", {"lr": 3e-3, "steps_per_round": 3})):
+        out = tmp_path / name
+        strategy = make_strategy(name, HELPERS._drafter(target), **options)
+        run_stream(target, strategy, policy, _requests(4), out_dir=out, round_size=1,
+                   max_new_tokens=8, regret_window=2)  # fmt: skip
+        rounds = [json.loads(line) for line in (out / "rounds.jsonl").open()]
+        values = [r["regret_proxy"] for r in rounds if "regret_proxy" in r]
+        assert len(values) == 2  # rounds 2 and 4 close a window
+        if name == "frozen":
+            assert values == pytest.approx([0.0, 0.0], abs=1e-6)
