@@ -1,0 +1,134 @@
+"""Every OnlineSpec strategy on the same request stream, one after another, and their table.
+
+For issue 17's comparison: one config (configs/online_spec.yaml) gives the stream, the target,
+the drafter and the tree; each strategy serves the very same requests in the same rounds from
+the same starting drafter (alone on the machine, in turn). Then, per strategy: prequential mean
+tau with a 95% bootstrap interval over requests, the paired per-request difference to `frozen`
+(interval too), served and net-of-update tokens/s, rollbacks; and one figure of tau over rounds
+for every strategy (`tau_over_rounds.png`). Runs already finished in OUT are reused (resume).
+
+    python bench/online_compare.py --config configs/online_spec.yaml --out runs/online_compare \\
+        --strategies frozen,ogd,optimistic,ensemble,osd,dpo [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_spec import stats
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(out: Path, strategies: list[str]) -> dict[str, Any]:
+    """The comparison table from each strategy's request and round logs."""
+    requests = {s: _rows(out / s / "requests.jsonl") for s in strategies}
+    rounds = {s: _rows(out / s / "rounds.jsonl") for s in strategies}
+    table: dict[str, Any] = {}
+    base = {r["request"]: r["tau"] for r in requests.get("frozen", [])}
+    for name in strategies:
+        taus = [r["tau"] for r in requests[name] if r["tau"] == r["tau"]]
+        entry: dict[str, Any] = {
+            "requests": len(requests[name]),
+            "prequential_tau": sum(taus) / len(taus) if taus else None,
+            "prequential_tau_ci": stats.bootstrap_ci(taus),
+            "tokens_per_s": rounds[name][-1]["prequential_tokens_per_s"] if rounds[name] else None,
+            "net_tokens_per_s": _net(rounds[name]),
+            "rolled_back": sum(r.get("rolled_back", 0.0) for r in rounds[name]),
+        }
+        if base and name != "frozen":
+            paired = [r["tau"] - base[r["request"]] for r in requests[name] if r["request"] in base]
+            entry["paired_gain"] = sum(paired) / len(paired) if paired else None
+            entry["paired_gain_ci"] = stats.bootstrap_ci(paired)
+            frozen = table.get("frozen", {}).get("prequential_tau")
+            if frozen and entry["prequential_tau"]:
+                entry["relative_gain"] = entry["prequential_tau"] / frozen - 1
+        table[name] = entry
+    return table
+
+
+def _net(rounds: list[dict[str, Any]]) -> float | None:
+    """Request-weighted mean of the rounds' tokens/s net of update time."""
+    served = sum(r["requests"] for r in rounds)
+    if not served:
+        return None
+    return sum(r["net_tokens_per_s"] * r["requests"] for r in rounds) / served
+
+
+def plot(out: Path, strategies: list[str]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.2), dpi=100)
+    for name in strategies:
+        rows = _rows(out / name / "rounds.jsonl")
+        axis.plot([r["round"] + 1 for r in rows], [r["tau"] for r in rows], label=name, marker=".")
+    axis.set_xlabel("round")
+    axis.set_ylabel("tau (tokens per verification)")
+    axis.legend(fontsize=7, ncol=3)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    path = out / "tau_over_rounds.png"
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategies", default="frozen,ogd,optimistic,ensemble,osd,dpo")
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    strategies = [s for s in args.strategies.split(",") if s]
+    base = yaml.safe_load(Path(args.config).read_text())
+    options = dict(base.get("strategy") or {})
+    options.pop("name", None)
+    executable = Path(sys.executable).with_name("lightning-spec")
+    for name in strategies:
+        folder = args.out / name
+        config = dict(base, out_dir=str(folder), strategy={"name": name, **_options(name, options)})
+        if args.seed is not None:
+            config["seed"] = args.seed
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        code = subprocess.call([str(executable), "online", "--config", str(path)])
+        if code != 0:
+            print(f"{name}: online exited {code}", file=sys.stderr)
+            return code
+    table = summarize(args.out, strategies)
+    (args.out / "summary.json").write_text(json.dumps(table, indent=1))
+    print(json.dumps(table, indent=1))
+    print(f"figure: {plot(args.out, strategies)}")
+    return 0
+
+
+def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The shared options each strategy accepts (frozen: only ttt_steps)."""
+    accepted = {
+        "frozen": {"ttt_steps"},
+        "ogd": {"lr", "steps_per_round", "ttt_steps", "grad_clip"},
+        "optimistic": {"lr", "ttt_steps", "grad_clip", "momentum"},
+        "ensemble": {"lr", "steps_per_round", "ttt_steps", "grad_clip", "learners", "ratio",
+                     "epsilon", "weighting", "temperature"},
+        "osd": {"lr", "steps_per_round", "ttt_steps", "grad_clip", "buffer_rounds"},
+        "dpo": {"lr", "steps_per_round", "grad_clip", "beta"},
+    }[name]  # fmt: skip
+    return {k: v for k, v in options.items() if k in accepted}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""bench/online_compare.py: the comparison table and figure from hand-made stream logs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():  # noqa: ANN202
+    spec = importlib.util.spec_from_file_location(
+        "online_compare", ROOT / "bench" / "online_compare.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(folder: Path, taus: list[float], net: float) -> None:
+    folder.mkdir(parents=True)
+    requests = [{"round": i // 2, "request": i, "tau": t} for i, t in enumerate(taus)]
+    rounds = [
+        {"round": r, "requests": 2, "tau": sum(taus[2 * r : 2 * r + 2]) / 2, "tokens_per_s": 20.0,
+         "net_tokens_per_s": net, "prequential_tokens_per_s": 20.0, "rolled_back": float(r == 1)}
+        for r in range(len(taus) // 2)
+    ]  # fmt: skip
+    (folder / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in requests))
+    (folder / "rounds.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rounds))
+
+
+def test_table_pairs_every_request_with_frozen_and_draws_the_figure(tmp_path: Path) -> None:
+    compare = _module()
+    _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 20.0)
+    _write(tmp_path / "ogd", [2.0, 2.2, 2.4, 2.6], 15.0)
+    table = compare.summarize(tmp_path, ["frozen", "ogd"])
+    assert table["frozen"]["prequential_tau"] == pytest.approx(2.0)
+    assert table["ogd"]["prequential_tau"] == pytest.approx(2.3)
+    assert table["ogd"]["paired_gain"] == pytest.approx(0.3)
+    low, high = table["ogd"]["paired_gain_ci"]
+    assert 0.0 <= low <= 0.3 <= high
+    assert table["ogd"]["relative_gain"] == pytest.approx(0.15)
+    assert table["ogd"]["net_tokens_per_s"] == pytest.approx(15.0)
+    assert table["ogd"]["rolled_back"] == 1.0
+    assert compare.plot(tmp_path, ["frozen", "ogd"]).stat().st_size > 1000
+    assert compare._options("dpo", {"lr": 1.0, "learners": 3, "beta": 0.2}) == {
+        "lr": 1.0,
+        "beta": 0.2,
+    }
