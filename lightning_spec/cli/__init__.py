@@ -36,6 +36,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "lightning_spec.cli.online",
         "OnlineSpec: serve a request stream and keep training the drafter from its feedback",
     ),
+    "serve": (
+        "lightning_spec.cli.serve",
+        "serve /v1/completions with speculative decoding, learning online from what it serves",
+    ),
     "relog": (
         "lightning_spec.cli.relog",
         "replay a run's MLflow mirror into MLflow (after the tracking server went away)",
