@@ -146,7 +146,9 @@ class FeatureProjection(nn.Module):
 
 def export_ready(drafter: Eagle3Drafter) -> Eagle3Drafter:
     """A float32, eval-mode copy on the CPU (the drafter passed in is left untouched)."""
-    if not isinstance(drafter, Eagle3Drafter):
+    if not isinstance(drafter, Eagle3Drafter) or drafter.drafter_type != "eagle3":
+        # Hydra subclasses the EAGLE-3 head for its vocabulary but has heads, not the layer
+        # this graph exports
         raise TypeError(
             f"ONNX export supports Eagle3Drafter, got {type(drafter).__name__} "
             f"(drafter_type {getattr(drafter, 'drafter_type', '?')!r})"

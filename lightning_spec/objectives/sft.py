@@ -126,10 +126,11 @@ def ttt_unroll(
         previous = outputs[-1].hidden  # [B, L, H]
         hidden = torch.cat([torch.zeros_like(previous[:, :1]), previous[:, :-1]], dim=1)
         outputs.append(
-            drafter.step(
+            drafter.draft_step(  # the decoder's call for depth-`step` nodes (Hydra: head k)
                 state,
                 tokens,
                 positions,
+                depth=torch.full_like(tokens, step),
                 hidden=hidden,
                 mask=ttt_attention_mask(length, step, device=device),
             )
@@ -328,6 +329,8 @@ class EagleSFT(Objective):
         intermediate_size: int | None = None,
         max_consecutive_nonfinite: int = 10,
         cache_dir: str | None = None,
+        drafter_type: str = "eagle3",
+        num_heads: int = 4,
     ) -> None:
         """
         Args:
@@ -354,7 +357,13 @@ class EagleSFT(Objective):
                 NaN/inf (each such step is skipped and counted in `train/skipped_nonfinite`).
             cache_dir: Asset cache root (data and the draft-vocabulary counts); None uses
                 $LIGHTNING_SPEC_CACHE or the user cache.
+            drafter_type: The fresh drafter to build: "eagle3" or "hydra" (sequentially
+                dependent heads, `models/drafters/hydra.py`; the TTT unroll trains head k on
+                depth k).
+            num_heads: Heads of a fresh Hydra drafter.
         """
+        if drafter_type not in ("eagle3", "hydra"):
+            raise ValueError(f"drafter_type must be eagle3 or hydra, got {drafter_type!r}")
         super().__init__(
             target=target,
             target_dtype=target_dtype,
@@ -379,6 +388,16 @@ class EagleSFT(Objective):
                 source=hp.vocab_source,
                 conversations=hp.vocab_conversations,
                 cache_dir=hp.cache_dir,
+            )
+        if hp.get("drafter_type", "eagle3") == "hydra":
+            from lightning_spec.models.drafters.hydra import HydraDrafter
+
+            return HydraDrafter.from_target(
+                target,
+                num_heads=int(hp.num_heads),
+                draft_vocab_size=draft_vocab,
+                token_counts=counts,
+                intermediate_size=hp.intermediate_size,
             )
         return Eagle3Drafter.from_target(
             target,

@@ -31,8 +31,11 @@ def target() -> TargetModel:
     return TargetModel.from_config(tiny_config("llama", num_layers=4), seed=1)
 
 
-def _drafter(target: TargetModel, noise: float = 0.0) -> Eagle3Drafter:
-    drafter = Eagle3Drafter.from_target(
+def _drafter(target: TargetModel, noise: float = 0.0, kind: str = "eagle3") -> Eagle3Drafter:
+    from lightning_spec.models.drafters.hydra import HydraDrafter
+
+    cls = HydraDrafter if kind == "hydra" else Eagle3Drafter
+    drafter = cls.from_target(
         target, draft_vocab_size=48, token_counts=torch.arange(VOCAB), intermediate_size=64
     )
     if noise:
@@ -96,9 +99,11 @@ def test_ttt_mask_pattern_by_hand() -> None:
     assert torch.equal(ttt_attention_mask(3, 0)[0], torch.ones(3, 3, dtype=torch.bool).tril())
 
 
-def test_ttt_step_k_equals_decoder_chain_at_depth_k(target: TargetModel) -> None:
-    """Step k at position j must be the decoder's depth-k node of a chain rooted at j - k."""
-    drafter = _drafter(target, noise=0.05).eval()
+@pytest.mark.parametrize("kind", ["eagle3", "hydra"])
+def test_ttt_step_k_equals_decoder_chain_at_depth_k(target: TargetModel, kind: str) -> None:
+    """Step k at position j must be the decoder's depth-k node of a chain rooted at j - k
+    (for Hydra: head k, the head the decoder uses at depth k)."""
+    drafter = _drafter(target, noise=0.05, kind=kind).eval()
     batch = _batch(length=10)
     ids, attention = batch["input_ids"], batch["attention_mask"]
     features = target(ids, attention_mask=attention, use_cache=False).features

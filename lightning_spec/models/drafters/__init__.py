@@ -17,6 +17,7 @@ from lightning_spec.models.drafters.base import (
 )
 from lightning_spec.models.drafters.bigram import BigramDrafter
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+from lightning_spec.models.drafters.hydra import HydraDrafter
 from lightning_spec.models.drafters.standalone import StandaloneDrafter
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Drafter",
     "DrafterOutput",
     "Eagle3Drafter",
+    "HydraDrafter",
     "StandaloneDrafter",
     "load_drafter",
     "register_drafter",
