@@ -156,3 +156,12 @@ def test_random_trees_match_naive_ancestors() -> None:
             assert all(parents[b] == a for a, b in zip(path, path[1:], strict=False))
         for node in range(-1, n):
             assert tree.children(node) == [i for i in range(n) if parents[i] == node]
+
+
+def test_follow_finds_the_longest_prefix_that_is_a_path() -> None:
+    # root -> 5 (0) -> 7 (1); root -> 6 (2) -> 7 (3)
+    tree = DraftTree(torch.tensor([5, 7, 6, 7]), torch.tensor([-1, 0, -1, 2]), torch.zeros(4))
+    assert tree.follow([6, 7, 9]) == [2, 3]
+    assert tree.follow([5, 7]) == [0, 1]
+    assert tree.follow([7]) == []
+    assert tree.follow([]) == []
