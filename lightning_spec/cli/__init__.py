@@ -72,6 +72,9 @@ def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> object
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
 
+    from lightning_spec.cli.calm import calm_console
+
+    calm_console()
     return LightningCLI(
         LightningModule,
         LightningDataModule,
