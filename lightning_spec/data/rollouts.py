@@ -827,11 +827,29 @@ class RolloutStore:
         return out
 
 
+FLOAT16_MAX = 65504.0
+
+
 def _flatten_rows(rows: Sequence[Tensor], name: str) -> Tensor:
-    """Concatenate ``[T_i, D]`` rows into one fp16 ``[sum T_i, D]`` tensor on the CPU."""
-    rows = [r.detach().to("cpu", torch.float16) for r in rows]
+    """Concatenate ``[T_i, D]`` rows into one fp16 ``[sum T_i, D]`` tensor on the CPU.
+
+    Refuses what fp16 cannot hold, naming the magnitude: some targets' hidden states reach
+    1e5, which fp16 turns into inf, and a drafter trained on inf features learns nothing but
+    NaN (the store would keep serving them to every later run)."""
     if any(r.dim() != 2 for r in rows) or len({int(r.shape[-1]) for r in rows}) > 1:
         raise ValueError(f"{name} must be [T, D] with one D for every record")
+    for row in rows:
+        if not bool(torch.isfinite(row).all()):
+            raise ValueError(f"cached {name}: the target produced non-finite values (NaN/inf)")
+        peak = float(row.detach().abs().max()) if row.numel() else 0.0
+        if peak > FLOAT16_MAX:
+            column = int(row.detach().abs().max(dim=0).values.argmax())
+            raise ValueError(
+                f"cached {name}: values reach {peak:.3g} (column {column}), beyond float16's "
+                f"{FLOAT16_MAX:g}; this target's hidden states are too large to cache in fp16: "
+                "set feature_cache_bytes: 0 to compute them in the training step instead"
+            )
+    rows = [r.detach().to("cpu", torch.float16) for r in rows]
     return torch.cat(rows).contiguous() if rows else torch.zeros(0, 0, dtype=torch.float16)
 
 

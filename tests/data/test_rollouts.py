@@ -322,3 +322,20 @@ def test_cached_last_hidden_must_match_the_features(tmp_path: Path) -> None:
     )
     back = store.read_features(info.name, feature_config=config, key="last_hidden")
     torch.testing.assert_close(back["r0"].float(), hidden["r0"], atol=2e-3, rtol=1e-3)
+
+
+def test_features_fp16_cannot_hold_are_refused_with_the_magnitude(tmp_path: Path) -> None:
+    """A target whose hidden states pass fp16's range (some families reach 1e5) must not fill
+    the store with inf: the write is refused, naming the value and what to do."""
+    store = RolloutStore(tmp_path, CONFIG)
+    info = store.write_shard(_records(1))
+    config = {"target": "tiny"}
+    large = torch.randn(3, 4)
+    large[1, 2] = 1.2e5
+    with pytest.raises(ValueError, match=r"1\.2e\+05 \(column 2\).*feature_cache_bytes: 0"):
+        store.write_features(info.name, {"r0": large}, feature_config=config, cap_bytes=10**6)
+    nan = torch.randn(3, 4)
+    nan[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        store.write_features(info.name, {"r0": nan}, feature_config=config, cap_bytes=10**6)
+    assert store.feature_shards(config) == {}  # nothing was written
