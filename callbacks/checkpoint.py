@@ -10,7 +10,9 @@ export, benchmark and serve (SGLang/vLLM read EAGLE-3 folders) is the drafter fo
   tau over a few held-out prompts is coarse and ties happen (the two-hour CPU run had 1.918 at
   steps 2,500 and 3,000 with a lower loss at 3,000), and a tie kept the older drafter.
 
-Each folder also holds `training_state.json` (step, epoch, the monitored value, the best value).
+Each folder also holds `training_state.json` (step, epoch, the monitored value, the best value);
+a run that finds a `best/` from before (a fresh run in an old folder, or a resume without
+Lightning's checkpoint) reads its value back, so `best/` never regresses to a worse drafter.
 A folder is written under a temporary name and renamed into place (`lightning_spec.io.
 atomic_folder`), so a job killed mid-write leaves the previous folder intact; a kill between the
 swap's two renames is undone at the next setup or write, and stale `.tmp-*` folders removed.
@@ -89,6 +91,31 @@ class DrafterCheckpoint(Callback):
         if trainer.is_global_zero and self.root(trainer).is_dir():
             for name in ("best", "last"):
                 recover_folder(self.root(trainer) / name)
+        if self.best_value is None:
+            self._adopt_existing_best(trainer)
+
+    def _adopt_existing_best(self, trainer: Trainer) -> None:
+        """A `best/` already in the folder (a fresh run in an old folder, a resume without
+        Lightning's checkpoint) keeps its place until a drafter beats its recorded value:
+        `best/` never regresses. A folder recorded for another metric or mode is left to be
+        replaced (its value says nothing about this run's)."""
+        path = self.best_path(trainer) / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return
+        if state.get("monitor") != self.monitor or _finite(state.get("value")) is None:
+            return
+        self.best_value = _finite(state.get("value"))
+        self.best_step = state.get("global_step")
+        self.best_tie = _finite(state.get("best_tie"))
+        log.info(
+            "DrafterCheckpoint: keeping the existing best/ (%s = %.4f at step %s) until a "
+            "drafter beats it",
+            self.monitor,
+            self.best_value,
+            self.best_step,
+        )
 
     @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -203,6 +203,30 @@ def test_a_tie_goes_to_the_lower_loss(target: TargetModel, tmp_path: Path) -> No
     assert not restored._improves(1.75, 7.0)  # no tie-breaker: the earlier drafter stays
     with pytest.raises(ValueError, match="tie_mode"):
         DrafterCheckpoint(tie_mode="lowest")
+
+
+def test_best_never_regresses_in_a_fresh_run_over_an_old_folder(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    """A second fit in the same folder (no Lightning checkpoint to resume from) keeps the old
+    best/ until a drafter beats its recorded value."""
+    first = Scripted(target, Eagle3Drafter.from_target(target), taus=[2.5])
+    _trainer(tmp_path, [DrafterCheckpoint(dirpath=str(tmp_path / "drafter"))]).fit(first)
+    worse = Scripted(target, Eagle3Drafter.from_target(target, seed=7), taus=[1.5, 2.0, 3.0])
+    again = DrafterCheckpoint(dirpath=str(tmp_path / "drafter"))
+    trainer = _trainer(tmp_path, [again], epochs=3)
+    best_path = tmp_path / "drafter" / "best"
+    seen: list[float] = []
+
+    class Probe(Callback):
+        def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+            if not trainer.sanity_checking:
+                seen.append(json.loads((best_path / STATE_FILE).read_text())["value"])
+
+    trainer.callbacks.append(Probe())
+    trainer.fit(worse)
+    assert seen == [2.5, 2.5, 3.0]  # 1.5 and 2.0 did not replace the old 2.5; 3.0 did
+    assert json.loads((best_path / STATE_FILE).read_text())["global_step"] == 3
 
 
 def test_min_mode_missing_metric_and_interrupted_swap(target: TargetModel, tmp_path: Path) -> None:
