@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument(
+        "--text-format",
+        default="auto",
+        choices=["auto", "chat", "plain"],
+        help="prompt rendering: the chat template (plain text for a base model without one), "
+        "chat (a made-up role format without a template) or plain (see data.chat)",
+    )
+    parser.add_argument(
         "--prepack",
         action="store_true",
         help="CPU fp32: prepack the target's and drafters' linear weights for oneDNN "
@@ -157,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench: --drafter is required for the speculative method", file=sys.stderr)
         return 2
     target = specs.resolve_target(args.target, args.dtype)
+    if target.tokenizer is not None:
+        from lightning_spec.data.chat import set_text_format
+
+        set_text_format(target.tokenizer, args.text_format)
     datasets: dict[str, list[PromptItem]] = {}
     for spec in dataset_specs:
         name, items = specs.load_prompts(spec, target.tokenizer, args.limit, args.selection)

@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--text-format",
+        default="auto",
+        choices=["auto", "chat", "plain"],
+        help="prompt rendering: the chat template (plain text for a base model without one), "
+        "chat (a made-up role format without a template) or plain (see data.chat)",
+    )
+    parser.add_argument(
         "--no-check", action="store_true", help="skip the greedy comparison with the target"
     )
     return parser
@@ -59,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     target = specs.resolve_target(args.target, args.dtype)
+    if target.tokenizer is not None:
+        from lightning_spec.data.chat import set_text_format
+
+        set_text_format(target.tokenizer, args.text_format)
     drafter = None if args.drafter == "none" else specs.resolve_drafter(args.drafter, target)
     if args.prepack:
         from lightning_spec.models.packed import prepack_where_possible

@@ -19,8 +19,12 @@ Tokens are then mapped to spans with the fast tokenizer's offset mapping (a toke
 span if it starts inside it); slow tokenizers tokenise the prefix texts instead and check that
 the ids of each prefix are a prefix of the full ids.
 
-Tokenizers without a chat template use :data:`FALLBACK_CHAT_TEMPLATE`, a plain
-``<|role|>\\ncontent{eos}\\n`` format.
+Text formats (`set_text_format`, `text_format_of`): a tokenizer with a chat template is
+rendered with it (``template``). One without (a base model) is rendered as plain text by default
+(``plain``: :data:`PLAIN_TEXT_TEMPLATE`, each turn's text as it is, the answer as the prompt's
+continuation), which is what such a model was trained on and will be served with; the made-up
+role format :data:`FALLBACK_CHAT_TEMPLATE` (``<|role|>\\ncontent{eos}\\n``, ``roles``) only
+when asked for with ``text_format="chat"``; ``"plain"`` forces plain text even with a template.
 """
 
 from __future__ import annotations
@@ -42,8 +46,23 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
-"""Used when a tokenizer has no chat template: ``<|user|>\\nHi\\n<|assistant|>\\nHello</s>\\n``.
-The markers are plain text to such a tokenizer; only ``eos_token`` is special."""
+"""The role format asked for with ``text_format="chat"`` on a tokenizer without a chat
+template: ``<|user|>\\nHi\\n<|assistant|>\\nHello</s>\\n``. The markers are plain text to such
+a tokenizer; only ``eos_token`` is special."""
+
+PLAIN_TEXT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ message['content'] }}{{ eos_token or '' }}{{ '\\n\\n' }}"
+    "{% else %}{{ message['content'] + '\\n' }}{% endif %}"
+    "{% endfor %}"
+)
+"""Plain-text continuation (base models): ``Hi\\nHello</s>\\n\\n``; a prompt is its text and a
+newline, the answer continues it."""
+
+TEXT_FORMATS = ("auto", "chat", "plain")
+_ATTR = "_lightning_spec_text_format"
+_ANNOUNCED: set[int] = set()
 
 _END_MARKERS = (
     "<|im_end|>",
@@ -75,12 +94,40 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def set_text_format(tokenizer: Any, text_format: str) -> None:
+    """Ask for a text format (``auto``, ``chat`` or ``plain``; see the module docstring)."""
+    if text_format not in TEXT_FORMATS:
+        raise ValueError(f"text_format must be one of {TEXT_FORMATS}, got {text_format!r}")
+    setattr(tokenizer, _ATTR, text_format)
+
+
+def text_format_of(tokenizer: Any) -> str:
+    """The format `tokenizer` renders with: ``template``, ``roles`` or ``plain``."""
+    requested = getattr(tokenizer, _ATTR, "auto")
+    if requested == "plain":
+        return "plain"
+    if has_chat_template(tokenizer):
+        return "template"
+    if requested == "chat":
+        return "roles"
+    if id(tokenizer) not in _ANNOUNCED:
+        _ANNOUNCED.add(id(tokenizer))
+        log.info(
+            "the tokenizer has no chat template: rendering plain-text continuation (a base "
+            "model); text_format='chat' gives a made-up role format instead"
+        )
+    return "plain"
+
+
 def _render(
     tokenizer: Any, messages: Sequence[Message], add_generation_prompt: bool = False
 ) -> str:
     kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
-    if not has_chat_template(tokenizer):
+    text_format = text_format_of(tokenizer)
+    if text_format == "roles":
         kwargs["chat_template"] = FALLBACK_CHAT_TEMPLATE
+    elif text_format == "plain":
+        kwargs["chat_template"] = PLAIN_TEXT_TEMPLATE
     text = tokenizer.apply_chat_template(list(messages), **kwargs)
     if not isinstance(text, str):  # pragma: no cover - defensive across versions
         raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")

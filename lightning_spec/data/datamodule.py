@@ -424,6 +424,9 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_tree: ``on_policy``: tree policy of the rollouts (``chain:4``, ``dynamic:...``).
         rollout_temperature: ``on_policy``: 0 = greedy rollouts, > 0 = sampled.
         rollout_target_rows: ``on_policy``: top-k target log-probs kept per tried row (0 = none).
+        text_format: ``auto`` (the chat template; plain-text continuation for a tokenizer
+            without one, i.e. a base model), ``chat`` (the template, or a made-up role format
+            without one) or ``plain`` (plain text even with a template); see `data.chat`.
     """
 
     def __init__(
@@ -454,8 +457,14 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_tree: str = "chain:4",
         rollout_temperature: float = 0.0,
         rollout_target_rows: int = 0,
+        text_format: str = "auto",
     ) -> None:
         super().__init__()
+        from lightning_spec.data.chat import TEXT_FORMATS
+
+        if text_format not in TEXT_FORMATS:
+            raise ValueError(f"text_format must be one of {TEXT_FORMATS}, got {text_format!r}")
+        self.text_format = text_format
         if mode == "online":
             raise ValueError(
                 "mode 'online' was renamed 'dataset' (the dataset's answers, target features "
@@ -535,6 +544,10 @@ class RolloutDataModule(pl.LightningDataModule):
         module = cls(**kwargs)
         module._tokenizer = tokenizer
         module._target_model = target_model
+        if module.text_format != "auto":
+            from lightning_spec.data.chat import set_text_format
+
+            set_text_format(tokenizer, module.text_format)
         return module
 
     # ------------------------------------------------------------------ resources
@@ -550,6 +563,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 source, gguf_file = resolve_target_source(self.target)
                 kwargs = {"gguf_file": gguf_file} if gguf_file else {}
                 self._tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            from lightning_spec.data.chat import set_text_format
+
+            set_text_format(self._tokenizer, self.text_format)
         return self._tokenizer
 
     @property
@@ -567,15 +583,15 @@ class RolloutDataModule(pl.LightningDataModule):
         return int(pad) if isinstance(pad, int) else 0
 
     def _needs_target(self) -> bool:
-        return (
-            self.mode in ("regenerated", "mixture", "on_policy") or self.feature_cache_bytes > 0
-        )
+        return self.mode in ("regenerated", "mixture", "on_policy") or self.feature_cache_bytes > 0
 
     def _kinds(self) -> list[str]:
         """The stores a mode reads (on_policy: the rendered dataset, for its prompts)."""
-        return {"dataset": ["dataset"], "regenerated": ["regenerated"], "on_policy": ["dataset"]}.get(
-            self.mode, ["dataset", "regenerated"]
-        )
+        return {
+            "dataset": ["dataset"],
+            "regenerated": ["regenerated"],
+            "on_policy": ["dataset"],
+        }.get(self.mode, ["dataset", "regenerated"])
 
     def _world(self) -> tuple[int, int]:
         """(global rank, world size) from the attached trainer, else (0, 1)."""
@@ -878,7 +894,9 @@ class RolloutDataModule(pl.LightningDataModule):
             prompts = [_prompt_of(self._train, i) for i in range(len(self._train))]
             self._prompts = [p for i, p in enumerate(prompts) if p and i % world_size == rank]
             if not self._prompts:
-                raise RuntimeError(f"no training prompts for on-policy rollouts in {self.dataset!r}")
+                raise RuntimeError(
+                    f"no training prompts for on-policy rollouts in {self.dataset!r}"
+                )
             self._train = OnPolicyTable(self.buffer)  # type: ignore[assignment]
             self._train_plan = EpochPlan(len(self._train))
         if len(self._train) == 0:

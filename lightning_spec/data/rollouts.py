@@ -315,7 +315,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):
         template = json.dumps(template, sort_keys=True)
-    return {
+    fingerprint = {
         "name": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
         "size": len(tokenizer),
         "eos": getattr(tokenizer, "eos_token", None),
@@ -323,6 +323,12 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
         "bos": getattr(tokenizer, "bos_token", None),
         "chat_template_sha256": hashlib.sha256(str(template).encode()).hexdigest()[:16],
     }
+    from lightning_spec.data.chat import text_format_of
+
+    text_format = text_format_of(tokenizer)
+    if text_format != "template":  # stores rendered with the template keep their old keys
+        fingerprint["text_format"] = text_format
+    return fingerprint
 
 
 def _diff_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

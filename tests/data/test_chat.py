@@ -7,7 +7,7 @@ import pytest
 
 from lightning_spec.data import chat
 from lightning_spec.data.chat import (
-    FALLBACK_CHAT_TEMPLATE,
+    PLAIN_TEXT_TEMPLATE,
     RenderedConversation,
     render_conversation,
     render_prompt,
@@ -140,7 +140,7 @@ def test_mask_covers_exactly_assistant_content_and_end_token(
     answers = [m["content"] for m in MESSAGES if m["role"] == "assistant"]
     assert _masked_text(tok, rendered) == [a + EXPECTED_END[name] for a in answers]
     # The ids are exactly the template's text tokenised (no extra BOS, nothing dropped).
-    template = tok.chat_template or FALLBACK_CHAT_TEMPLATE
+    template = tok.chat_template or PLAIN_TEXT_TEMPLATE  # no template: plain text (base model)
     text = tok.apply_chat_template(MESSAGES, tokenize=False, chat_template=template)
     assert rendered.input_ids == tok(text, add_special_tokens=False)["input_ids"]
 
@@ -197,7 +197,7 @@ def test_render_prompt_ends_with_the_assistant_header(
     header = {
         "chatml": "<|im_start|>assistant\n",
         "llama3": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-        "none": "<|assistant|>\n",
+        "none": "?\n",  # plain text: the prompt's last line, then the continuation
     }[name]
     assert text.endswith(header)
     assert "capital of France" in text
@@ -207,14 +207,37 @@ def test_render_prompt_ends_with_the_assistant_header(
     assert not any(full.loss_mask[: len(ids)])
 
 
-def test_fallback_template_is_used_without_chat_template(tokenizers_by_template: dict) -> None:
-    tok = tokenizers_by_template["none"]
-    assert not chat.has_chat_template(tok)
+def test_without_a_chat_template_plain_text_is_the_default(tokenizers_by_template: dict) -> None:
+    """A base model (no template) is trained and served on plain-text continuation; the
+    made-up role format only when asked for; plain text can be forced over a template."""
+    import copy
+
+    tok = copy.deepcopy(tokenizers_by_template["none"])
+    assert not chat.has_chat_template(tok) and chat.text_format_of(tok) == "plain"
+    rendered = render_conversation(tok, MESSAGES[1:3])
+    assert tok.decode(rendered.input_ids) == (
+        "What is the capital of France?\nParis is the capital.</s>\n\n"
+    )
+    masked = tok.decode(
+        [t for t, m in zip(rendered.input_ids, rendered.loss_mask, strict=True) if m]
+    )
+    assert masked == "Paris is the capital.</s>"  # the answer, the prompt's continuation
+    prompt = render_prompt(tok, MESSAGES[1:2])
+    assert tok.decode(prompt) == "What is the capital of France?\n"
+    assert rendered.input_ids[: len(prompt)] == prompt
+    chat.set_text_format(tok, "chat")
+    assert chat.text_format_of(tok) == "roles"
     text = tok.decode(render_conversation(tok, MESSAGES[1:3]).input_ids)
     assert (
         text
         == "<|user|>\nWhat is the capital of France?\n<|assistant|>\nParis is the capital.</s>\n"
     )
+    templated = copy.deepcopy(tokenizers_by_template["chatml"])
+    assert chat.text_format_of(templated) == "template"
+    chat.set_text_format(templated, "plain")
+    assert chat.text_format_of(templated) == "plain"
+    with pytest.raises(ValueError, match="text_format"):
+        chat.set_text_format(templated, "markdown")
 
 
 @pytest.mark.slow
