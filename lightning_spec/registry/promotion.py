@@ -116,14 +116,28 @@ def stored_tau(
     return value, ""
 
 
+def _means_absent(error: Any) -> bool:
+    """Whether an MLflow error says the model or alias does not exist (and nothing else)."""
+    code = getattr(error, "error_code", "")
+    message = str(error)
+    if code == "RESOURCE_DOES_NOT_EXIST":
+        return True
+    return code == "INVALID_PARAMETER_VALUE" and "not found" in message
+
+
 def alias_version(client: Any, model_name: str, alias: str) -> Any | None:
-    """The ModelVersion holding `alias`, or None."""
+    """The ModelVersion holding `alias`, or None when the model or the alias does not exist.
+
+    Any other error (a server that is down, a locked store, a timeout) is raised: counting a
+    transient failure as "no champion" would promote the candidate unchecked."""
     from mlflow.exceptions import MlflowException
 
     try:
         return client.get_model_version_by_alias(model_name, alias)
-    except MlflowException:
-        return None
+    except MlflowException as error:
+        if _means_absent(error):
+            return None
+        raise
 
 
 def bench_measure(

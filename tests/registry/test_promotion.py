@@ -222,3 +222,25 @@ def test_remeasuring_needs_a_measure_or_a_target(registry, tracking_uri: str) ->
         _promote(registry, candidate, tracking_uri, measure=None)
     with pytest.raises(ValueError, match="no tau"):
         _promote(registry, candidate, tracking_uri, measure=Measure(candidate=2.0))
+
+
+def test_only_absence_counts_as_no_champion(registry, tracking_uri: str) -> None:  # noqa: ANN001
+    """A missing model or alias is "no champion"; any other registry error is raised, so a
+    transient failure never promotes a candidate unchecked."""
+    from mlflow.exceptions import MlflowException
+
+    from lightning_spec.registry.promotion import alias_version
+
+    client = registry_client(tracking_uri)
+    assert alias_version(client, "no-such-model", "champion") is None
+    version = registry("random", 1.4)
+    assert alias_version(client, registry.name, "champion") is None  # model, but no alias yet
+    _promote(registry, version, tracking_uri)
+    assert str(alias_version(client, registry.name, "champion").version) == version
+
+    class Flaky:  # what a locked SQLite store or a dropped connection raises
+        def get_model_version_by_alias(self, name: str, alias: str) -> None:
+            raise MlflowException("(sqlite3.OperationalError) database is locked")
+
+    with pytest.raises(MlflowException, match="locked"):
+        alias_version(Flaky(), registry.name, "champion")
