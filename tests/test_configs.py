@@ -237,3 +237,38 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
     bad = tmp_path / "bad.yaml"
     bad.write_text("drafter: x\nstreem: []\n")
     assert main(["online", "--config", str(bad)]) == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("--model.init_args.ttt_steps=0", "ttt_steps"),
+        ("--model.init_args.draft_vocab_size=0", "draft_vocab_size"),
+        ("--model.init_args.lr=-1", "lr"),
+    ],
+)
+def test_out_of_range_values_fail_before_anything_is_prepared(
+    override: str, field: str, tmp_path: Path, capsys
+) -> None:
+    """Out-of-range config values stop the CLI at instantiation (no target load, no data
+    preparation), naming the field."""
+    from lightning_spec.cli import lightning_cli
+
+    with pytest.raises((SystemExit, ValueError)) as error:
+        lightning_cli(
+            ["--config", str(ROOT / "configs" / "quickstart.yaml"), override,
+             "--model.init_args.target=/nonexistent", f"--trainer.default_root_dir={tmp_path}"],
+            run=False,
+        )  # fmt: skip
+    text = str(error.value) + capsys.readouterr().err
+    assert field in text
+    assert not (tmp_path / "rollouts").exists()
+
+
+def test_a_bad_rollout_tree_is_named() -> None:
+    from lightning_spec.data.datamodule import RolloutDataModule
+
+    with pytest.raises(ValueError, match="rollout_tree 'dynamic:2'"):
+        RolloutDataModule(mode="on_policy", rollout_tree="dynamic:2")
+    with pytest.raises(ValueError, match="batch_size"):
+        RolloutDataModule(batch_size=0)

@@ -482,6 +482,13 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError("max_length must be > 1 and batch_size > 0")
         if max_conversations is not None and max_conversations <= 0:
             raise ValueError("max_conversations must be positive (or None for all)")
+        if mode == "on_policy":
+            from lightning_spec.decoding.build import parse_tree_spec
+
+            try:
+                parse_tree_spec(rollout_tree)
+            except ValueError as error:
+                raise ValueError(f"rollout_tree {rollout_tree!r}: {error}") from error
         self.save_hyperparameters()
         self.target = target
         self.dataset = dataset

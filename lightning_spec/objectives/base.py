@@ -153,6 +153,19 @@ class Objective(LightningModule):
             max_consecutive_nonfinite: Raise after this many consecutive steps whose loss is
                 NaN/inf (each such step is skipped and counted in `train/skipped_nonfinite`).
         """
+        for field, value, ok in (
+            ("lr", lr, lr > 0),
+            ("weight_decay", weight_decay, weight_decay >= 0),
+            ("warmup_steps", warmup_steps, warmup_steps >= 0),
+            ("betas", betas, len(betas) == 2 and all(0 <= b < 1 for b in betas)),
+            (
+                "max_consecutive_nonfinite",
+                max_consecutive_nonfinite,
+                max_consecutive_nonfinite >= 1,
+            ),
+        ):
+            if not ok:
+                raise ValueError(f"{type(self).__name__}: {field} = {value!r} is out of range")
         super().__init__()
         # Collects the arguments of every __init__ up the class chain (the subclass's too).
         self.save_hyperparameters()

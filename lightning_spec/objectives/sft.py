@@ -364,6 +364,16 @@ class EagleSFT(Objective):
         """
         if drafter_type not in ("eagle3", "hydra"):
             raise ValueError(f"drafter_type must be eagle3 or hydra, got {drafter_type!r}")
+        # checked before the target loads or any data is prepared, each field named
+        for field, value, ok in (
+            ("ttt_steps", ttt_steps, ttt_steps >= 1),
+            ("ttt_decay", ttt_decay, 0 < ttt_decay <= 1),
+            ("draft_vocab_size", draft_vocab_size, draft_vocab_size >= 1),
+            ("vocab_conversations", vocab_conversations, vocab_conversations >= 1),
+            ("num_heads", num_heads, num_heads >= 1),
+        ):
+            if not ok:
+                raise ValueError(f"EagleSFT: {field} = {value!r} is out of range")
         super().__init__(
             target=target,
             target_dtype=target_dtype,
