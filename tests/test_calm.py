@@ -16,6 +16,7 @@ def test_only_the_checked_messages_are_dropped(caplog) -> None:  # noqa: ANN001
     logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     with caplog.at_level(logging.INFO, logger=logger.name):
         logger.info("💡 Tip: For seamless cloud logging and experiment tracking, try X")
+        logger.info("💡 Tip: For seamless cloud uploads and versioning, try Y")
         logger.info("GPU available: False, used: False")
     assert [r.getMessage() for r in caplog.records] == ["GPU available: False, used: False"]
     with warnings.catch_warnings(record=True) as caught:

@@ -13,8 +13,9 @@ import warnings
 __all__ = ["calm_console"]
 
 _FILTERED = (
-    # Lightning advertises its cloud logger at every fit; we log to MLflow on purpose.
-    "💡 Tip: For seamless cloud logging",
+    # Lightning advertises its cloud logger and checkpoint store at every fit; we log to MLflow
+    # and write drafter folders on purpose.
+    "💡 Tip: For seamless cloud",
 )
 
 

@@ -69,8 +69,8 @@ def summary_lines(result: dict[str, Any], run_dir: Path, drafter_dir: Path) -> l
         + (f"; HF prompt lookup {_fmt(lookup['tau'])}" if lookup and lookup.get("tau") else ""),
         f"  wall-clock speedup vs HF generate {_fmt(spec.get('speedup_vs_hf_generate'))}, "
         f"vs HF prompt lookup {_fmt(spec.get('speedup_vs_hf_prompt_lookup'))} "
-        "(median of per-prompt ratios; on a 2-core CPU a 135M target gains little, see "
-        "BENCHMARKS.md)",
+        "(median of per-prompt ratios over this short run; BENCHMARKS.md section 6 has the "
+        "40-prompt figures)",
         f"  greedy mismatches against the target's own output: {spec['mismatches']}",
     ]
     optimised = spec.get("speedup_vs_hf_generate_optimized")
