@@ -47,7 +47,11 @@ def mode_config(
     trainer["max_time"] = None  # the budget below covers data preparation too
     trainer["max_steps"] = 100_000  # the budget stops the run; the schedule is fitted to it
     trainer["logger"]["init_args"].update(experiment_name="data_modes", run_dir=run_dir)
-    replaced = ("RichProgressBar", "RunBudget")  # no bar in a log file; one budget, ours
+    replaced = (
+        "RichProgressBar",
+        "SpecProgressBar",
+        "RunBudget",
+    )  # no bar in a log file; one budget, ours
     callbacks = [c for c in trainer.get("callbacks", []) if not c["class_path"].endswith(replaced)]
     callbacks.append(
         {
