@@ -271,6 +271,25 @@ class Objective(LightningModule):
         optimizer.step(closure=closure)
         self._skip_update = False
 
+    # ---------------------------------------------------------------------------- helpers
+    def log_lr(self) -> None:
+        """Log the current learning rate as ``train/lr`` (every objective's training step)."""
+        schedulers = self.lr_schedulers()
+        if schedulers is not None:
+            scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
+            self.log("train/lr", float(scheduler.get_last_lr()[0]))
+
+    def prepack_target(self) -> None:
+        """CPU fp32: prepack the frozen target's linears (faster scoring, same maths to ~1e-6);
+        where that cannot run (GPU, bf16) say why and go on unpacked."""
+        from lightning_spec.models.packed import prepack_linears, prepack_unavailable_reason
+
+        reason = prepack_unavailable_reason(self.target.model)
+        if reason is None:
+            prepack_linears(self.target.model)
+        else:
+            log.warning("prepack_target skipped: %s", reason)
+
     # ---------------------------------------------------------------------------- optimizer
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

@@ -205,10 +205,7 @@ class DraftOPD(EagleSFT):
         self._accepted_seen = 0
         self._rejected_seen = 0
         if prepack_target:
-            from lightning_spec.models.packed import prepack_linears, prepack_unavailable_reason
-
-            if prepack_unavailable_reason(self.target.model) is None:
-                prepack_linears(self.target.model)
+            self.prepack_target()
 
     def build_drafter(self, target: TargetModel) -> Drafter:
         raise ValueError(
@@ -393,10 +390,7 @@ class DraftOPD(EagleSFT):
             self.log(f"train/{name}", float(result[key]))
         self.log("train/accepted_seen", float(self._accepted_seen))
         self.log("train/rejected_seen", float(self._rejected_seen))
-        schedulers = self.lr_schedulers()
-        if schedulers is not None:
-            scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
-            self.log("train/lr", float(scheduler.get_last_lr()[0]))
+        self.log_lr()
         return loss
 
     # ---------------------------------------------------------------------------- checkpoints

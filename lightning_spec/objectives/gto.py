@@ -232,13 +232,7 @@ class GroupTreeOptimization(EagleSFT):
         self._generator = torch.Generator().manual_seed(int(seed))
         self._prefixes_seen = 0
         if prepack_target:
-            from lightning_spec.models.packed import prepack_linears, prepack_unavailable_reason
-
-            reason = prepack_unavailable_reason(self.target.model)
-            if reason is None:
-                prepack_linears(self.target.model)
-            else:
-                log.warning("prepack_target skipped: %s", reason)
+            self.prepack_target()
 
     def build_drafter(self, target: TargetModel) -> Drafter:
         raise ValueError(
@@ -434,10 +428,7 @@ class GroupTreeOptimization(EagleSFT):
         self.log("train/loss_token", token.loss.detach())
         self._log_steps("train", token)
         self._log_gto("train", gto)
-        schedulers = self.lr_schedulers()
-        if schedulers is not None:
-            scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
-            self.log("train/lr", float(scheduler.get_last_lr()[0]))
+        self.log_lr()
         return loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -489,10 +489,7 @@ class EagleSFT(Objective):
         self.log("train/loss", result.loss.detach(), prog_bar=True)
         self._log_steps("train", result)
         self.log("train/tokens", float(self._tokens_seen))
-        schedulers = self.lr_schedulers()
-        if schedulers is not None:
-            scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
-            self.log("train/lr", float(scheduler.get_last_lr()[0]))
+        self.log_lr()
         return result.loss
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
