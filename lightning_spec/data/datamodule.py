@@ -484,9 +484,10 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError("max_conversations must be positive (or None for all)")
         if mode == "on_policy":
             from lightning_spec.decoding.build import parse_tree_spec
+            from lightning_spec.decoding.lookup import require_drafter_policy
 
             try:
-                parse_tree_spec(rollout_tree)
+                require_drafter_policy(parse_tree_spec(rollout_tree), "rollout_tree")
             except ValueError as error:
                 raise ValueError(f"rollout_tree {rollout_tree!r}: {error}") from error
         self.save_hyperparameters()

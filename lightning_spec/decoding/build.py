@@ -566,7 +566,12 @@ def select_best(scores: Tensor, count: int) -> Tensor:
 # ------------------------------------------------------------------------------------------ spec
 def parse_tree_spec(spec: str) -> TreePolicy:
     """Policy from a string: ``chain:K``, ``dynamic:DEPTH,TOP_K,TOTAL_TOKENS``,
-    ``static:NAME`` (see `STATIC_TREES`) or ``static:[(0,), (1,), (0, 0)]`` (explicit ranks)."""
+    ``static:NAME`` (see `STATIC_TREES`) or ``static:[(0,), (1,), (0, 0)]`` (explicit ranks),
+    optionally followed by ``+lookup`` or ``+lookup:MAX_NGRAM,TOKENS`` (a prompt-lookup branch
+    grafted at T = 0, `decoding.lookup`; defaults 3 and 8)."""
+    base, plus, extra = spec.partition("+")
+    if plus:
+        return _lookup_policy(parse_tree_spec(base), extra.strip(), spec)
     kind, sep, args = spec.strip().partition(":")
     kind, args = kind.strip().lower(), args.strip()
     usage = (
@@ -597,3 +602,16 @@ def _ints(text: str, count: int) -> list[int]:
     if len(parts) != count:
         raise ValueError(f"expected {count} comma-separated integers, got {text!r}")
     return [int(part) for part in parts]
+
+
+def _lookup_policy(base: TreePolicy, extra: str, spec: str) -> TreePolicy:
+    from lightning_spec.decoding.lookup import LookupPolicy, PromptLookup
+
+    kind, _, args = extra.partition(":")
+    if kind.strip().lower() != "lookup":
+        raise ValueError(f"bad tree spec {spec!r}: after '+' only 'lookup[:MAX_NGRAM,TOKENS]'")
+    try:
+        lookup = PromptLookup(*_ints(args, 2)) if args.strip() else PromptLookup()
+    except ValueError as error:
+        raise ValueError(f"bad tree spec {spec!r}: {error}; expected '+lookup:MAX_NGRAM,TOKENS'") from error
+    return LookupPolicy(base, lookup)  # type: ignore[return-value]

@@ -430,6 +430,9 @@ class DecodeSession:
             keep_draft_probs=decoder.policy.needs_draft_probs(temperature),
         )[0]
         proposer.finish()
+        graft = getattr(decoder.policy, "graft", None)  # prompt lookup (decoding.lookup)
+        if graft is not None:
+            tree = graft(tree, self.sequence, temperature)
         timings["draft"] = time.perf_counter() - tic
         # ---- verify: one target forward over [root] + nodes with the tree mask
         tic = time.perf_counter()

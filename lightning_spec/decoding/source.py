@@ -22,6 +22,7 @@ import torch
 
 from lightning_spec.decoding.build import TreePolicy, parse_tree_spec
 from lightning_spec.decoding.engine import Generation, SpeculativeDecoder
+from lightning_spec.decoding.lookup import require_drafter_policy
 from lightning_spec.metrics import tau_from_records
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.target import TargetModel
@@ -57,6 +58,7 @@ class DecoderRolloutSource:
     ) -> None:
         self.target = target
         self.policy = parse_tree_spec(tree) if isinstance(tree, str) else tree
+        require_drafter_policy(self.policy, "on-policy rollouts")
         self.max_new_tokens = int(max_new_tokens)
         self.temperature = float(temperature)
         self.seed = int(seed)

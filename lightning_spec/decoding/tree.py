@@ -64,6 +64,9 @@ class DraftTree:
     iid_children: bool = False
     """True when children were drawn i.i.d. from q (SpecInfer rule at verification); False when
     they are deterministic distinct top-k tokens (EAGLE rule)."""
+    drafter_nodes: int | None = None
+    """How many nodes (a prefix of the node list) the drafter proposed; None: all of them. The
+    rest were grafted by prompt lookup (`decoding.lookup`) and carry draft log-prob 0."""
 
     _mask: Tensor | None = field(default=None, init=False, repr=False)
     _depth: Tensor | None = field(default=None, init=False, repr=False)
@@ -238,6 +241,9 @@ class DraftTree:
             logprobs=self.logprobs[nodes],
             draft_probs=draft_probs,
             iid_children=self.iid_children,
+            drafter_nodes=None
+            if self.drafter_nodes is None
+            else int((nodes < self.drafter_nodes).sum()),  # nodes ascend: still a prefix
         )
         if self._depth is not None:
             tree._depth = self._depth[nodes]
@@ -251,6 +257,7 @@ class DraftTree:
             logprobs=self.logprobs.to(device),
             draft_probs=None if self.draft_probs is None else self.draft_probs.to(device),
             iid_children=self.iid_children,
+            drafter_nodes=self.drafter_nodes,
         )
         if self._mask is not None:
             tree._mask = self._mask.to(device)

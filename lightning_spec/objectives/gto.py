@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.build import ChainPolicy, parse_tree_spec
+from lightning_spec.decoding.lookup import require_drafter_policy
 from lightning_spec.decoding.score import TreeScores, score_trees_target
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.decoding.verify import verify_greedy_argmax, verify_sample
@@ -227,6 +228,7 @@ class GroupTreeOptimization(EagleSFT):
             cache_dir=cache_dir,
         )
         self.policy = parse_tree_spec(tree)
+        require_drafter_policy(self.policy, "GTO")
         self.greedy_policy = ChainPolicy(int(self.policy.max_depth))
         self.reference = copy.deepcopy(self.drafter).requires_grad_(False).eval()
         self._generator = torch.Generator().manual_seed(int(seed))

@@ -36,6 +36,7 @@ import torch
 
 from lightning_spec.decoding.build import TreePolicy
 from lightning_spec.decoding.engine import SpeculativeDecoder
+from lightning_spec.decoding.lookup import require_drafter_policy
 from lightning_spec.objectives.online import OnlineStrategy
 from lightning_spec.serving.stream import Request
 
@@ -135,6 +136,7 @@ def run_stream(
     request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
     (optional) rolls back updates that lower a held-out probe's tau (`SafetyGuard`);
     `regret_window` > 0 logs `regret_proxy` every that many rounds (see `regret_proxy`)."""
+    require_drafter_policy(policy, "the OnlineSpec stream (it learns from the rejected drafts)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start_round = 0
