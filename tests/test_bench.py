@@ -210,6 +210,26 @@ def test_random_drafter_accepts_almost_nothing(target: TargetModel) -> None:
     assert row["speedup_vs_hf_generate"] is None  # not measured in this run
 
 
+def test_several_trees_side_by_side_with_a_lookup_branch(target: TargetModel) -> None:
+    """Repeated trees bench every drafter under each (methods `<name>@<tree>`); a lookup tree
+    stays lossless and its rows say which tree they ran."""
+    drafter = Eagle3Drafter.from_target(target, seed=3)
+    prompts = [(p + p, meta) for p, meta in _prompts(2, seed=4)]  # prompts that quote themselves
+    trees = ["chain:2", "chain:2+lookup:2,6"]
+    result = bench_runner.run_bench(
+        target, drafter, trees, {"toy": prompts}, methods=["autoregressive", "speculative"],
+        max_new_tokens=24, stop_on_eos=False, warmup=0, bootstrap_resamples=100,
+    )  # fmt: skip
+    rows = {r["method"]: r for r in result["rows"] if r["category"] is None}
+    assert set(rows) == {"autoregressive", *(f"speculative@{t}" for t in trees)}
+    for tree in trees:
+        assert rows[f"speculative@{tree}"]["tree"] == tree
+        assert rows[f"speculative@{tree}"]["mismatches"] == 0
+    assert result["config"]["tree"] == " | ".join(trees)
+    with pytest.raises(ValueError, match="listed twice"):
+        bench_runner.run_bench(target, drafter, ["chain:2", "chain:2"], {"toy": prompts})
+
+
 def test_sampling_marks_mismatches_not_applicable(target: TargetModel) -> None:
     drafter = StandaloneDrafter.from_model(target.model)
     result = bench_runner.run_bench(
@@ -425,6 +445,12 @@ def test_cli_tree_auto(
     assert second["calibration"]["cost_curve"] == first["calibration"]["cost_curve"]
     assert bench_cli.main([*argv, "--recalibrate"]) == 0
     assert "cached" not in json.loads(output.read_text())["config"]["calibration"]
+    # auto+lookup: the calibrated tree with the lookup branch, beside the plain one
+    assert bench_cli.main([*argv, "--tree", "auto+lookup:2,4"]) == 0
+    both = json.loads(output.read_text())
+    auto = both["config"]["calibration"]["suggestion"]["policy"]
+    methods = {r["method"] for r in both["rows"]}
+    assert {f"speculative@{auto}", f"speculative@{auto}+lookup:2,4"} <= methods
 
 
 def test_cli_prepack_benches_the_default_and_the_optimised_target(

@@ -115,7 +115,7 @@ def _row(
         "dataset": dataset,
         "category": category,
         "temperature": temperature,
-        "tree": tree if speculative else None,
+        "tree": (method.rpartition("@")[2] if "@" in method else tree) if speculative else None,
         "tau": None,
         "tau_ci": None,
         "tau_note": None,

@@ -151,7 +151,7 @@ class _Runner:
         self,
         target: Any,
         drafters: dict[str, Any],
-        policy: TreePolicy | None,
+        policies: dict[str, TreePolicy],
         *,
         max_new_tokens: int,
         temperature: float,
@@ -167,7 +167,7 @@ class _Runner:
         self.stop_on_eos = stop_on_eos
         self.lookup = (prompt_lookup_num_tokens, max_matching_ngram_size)
         self.decoders = {
-            name: SpeculativeDecoder(target, drafter, policy, temperature=temperature)
+            name: SpeculativeDecoder(target, drafter, policies[name], temperature=temperature)
             for name, drafter in drafters.items()
         }
         eos = sorted(target.eos_token_ids)
@@ -345,7 +345,7 @@ def _method_names(methods: Sequence[str], drafter_names: Sequence[str]) -> list[
 def run_bench(
     target: Any,
     drafter: Any | dict[str, Any] | None,
-    policy: TreePolicy | str | None,
+    policy: TreePolicy | str | Sequence[TreePolicy | str] | None,
     datasets: dict[str, list[PromptItem]],
     *,
     methods: Sequence[str] | None = None,
@@ -364,7 +364,8 @@ def run_bench(
     """Measure every method on every prompt, interleaved per prompt, and summarise.
 
     `drafter` is one drafter (method ``speculative``) or a dict label -> drafter (methods
-    ``speculative:<label>``); `methods` defaults to `default_methods(target)`. `datasets` maps a name to (prompt ids, meta) pairs; a meta
+    ``speculative:<label>``), run under each tree of `policy` (one, or several side by side:
+    methods ``<name>@<tree spec>``); `methods` defaults to `default_methods(target)`. `datasets` maps a name to (prompt ids, meta) pairs; a meta
     ``category`` gives per-category rows. Returns ``{"config", "rows", "per_prompt"}``.
     """
     if order not in ("rotate", "fixed"):
@@ -372,17 +373,22 @@ def run_bench(
     methods = default_methods(target) if methods is None else list(methods)
     if temperature < 0:
         raise ValueError("temperature must be >= 0")
-    tree_spec = policy if isinstance(policy, str) else _policy_spec(policy)
-    if isinstance(policy, str):
-        policy = parse_tree_spec(policy)
+    policies = _policies(policy)
+    tree_spec = " | ".join(policies) if policies else None
     if drafter is None:
         drafters: dict[str, Any] = {}
     elif isinstance(drafter, dict):
         drafters = {f"speculative:{label}": d for label, d in drafter.items()}
     else:
         drafters = {"speculative": drafter}
-    if "speculative" in methods and (not drafters or policy is None):
+    if "speculative" in methods and (not drafters or not policies):
         raise ValueError("the speculative method needs a drafter and a tree policy")
+    if len(policies) > 1:  # every drafter under every tree: `<method>@<tree spec>`
+        drafters = {f"{name}@{spec}": d for name, d in drafters.items() for spec in policies}
+    method_policies = {
+        name: policies[name.rpartition("@")[2]] if len(policies) > 1 else next(iter(policies.values()))
+        for name in drafters
+    }
     names = _method_names(methods, list(drafters) if "speculative" in methods else [])
     from lightning_spec.models.packed import is_prepacked
 
@@ -396,7 +402,7 @@ def run_bench(
     runner = _Runner(
         target,
         drafters if "speculative" in methods else {},
-        policy,
+        method_policies,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
@@ -493,11 +499,31 @@ def run_bench(
     return clean_floats({"config": run_config, "rows": rows, "per_prompt": per_prompt})
 
 
+def _policies(
+    policy: TreePolicy | str | Sequence[TreePolicy | str] | None,
+) -> dict[str, TreePolicy]:
+    """Spec -> policy for one tree, a spec, or several (benched side by side)."""
+    if policy is None:
+        return {}
+    items = [policy] if isinstance(policy, str) or not isinstance(policy, Sequence) else policy
+    out: dict[str, TreePolicy] = {}
+    for item in items:
+        spec = item.strip() if isinstance(item, str) else _policy_spec(item)
+        if spec in out:
+            raise ValueError(f"tree {spec!r} listed twice")
+        out[str(spec)] = parse_tree_spec(item) if isinstance(item, str) else item
+    return out
+
+
 def _policy_spec(policy: TreePolicy | None) -> str | None:
     if policy is None:
         return None
     from lightning_spec.decoding.build import ChainPolicy, DynamicTreePolicy
+    from lightning_spec.decoding.lookup import LookupPolicy
 
+    if isinstance(policy, LookupPolicy):
+        lookup = policy.lookup
+        return f"{_policy_spec(policy.base)}+lookup:{lookup.max_ngram},{lookup.num_tokens}"  # type: ignore[arg-type]
     if isinstance(policy, ChainPolicy):
         return f"chain:{policy.k}"
     if isinstance(policy, DynamicTreePolicy):

@@ -59,8 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
         "--tree",
-        default="chain:4",
-        help="chain:K, dynamic:DEPTH,TOP_K,TOTAL, static:NAME, or auto (calibrate first)",
+        action="append",
+        default=None,
+        help="chain:K, dynamic:DEPTH,TOP_K,TOTAL, static:NAME, or auto (calibrate first), each "
+        "optionally +lookup[:MAX_NGRAM,TOKENS] (a prompt-lookup branch at T = 0); repeat to "
+        "bench several trees side by side (default chain:4)",
     )
     parser.add_argument(
         "--calibration", default=None, help="with --tree auto: reuse a calibrate JSON"
@@ -203,14 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         "drafter": drafter_specs,
         "threads": args.threads,
     }
-    tree = args.tree
-    if "speculative" in methods and tree == "auto":
-        tree, calibration = _auto_tree(args, target, drafters, datasets)
+    trees = args.tree or ["chain:4"]
+    if "speculative" in methods and any(_is_auto(t) for t in trees):
+        auto, calibration = _auto_tree(args, target, drafters, datasets)
         config["calibration"] = calibration
+        trees = [auto + "".join(t.partition("+")[1:]) if _is_auto(t) else t for t in trees]
     result = run_bench(
         target,
         (drafters if len(drafters) > 1 else next(iter(drafters.values()))) if drafters else None,
-        tree if "speculative" in methods else None,
+        (trees if len(trees) > 1 else trees[0]) if "speculative" in methods else None,
         datasets,
         methods=methods,
         max_new_tokens=args.max_new_tokens,
@@ -234,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     if mismatched:
         print(f"bench: {mismatched} greedy mismatch(es); see the table", file=sys.stderr)
     return 1 if mismatched else 0
+
+
+def _is_auto(tree: str) -> bool:
+    """``auto`` or ``auto+lookup...``: the base tree comes from a calibration."""
+    return tree.partition("+")[0].strip() == "auto"
 
 
 def _auto_tree(
