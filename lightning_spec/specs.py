@@ -96,7 +96,9 @@ def resolve_drafter(
 
         drafter = load_drafter(spec, device=target.device)
         check_drafter_target(drafter, target)  # a drafter of another target: refused, named
-        return drafter.to(target.dtype)
+        drafter = drafter.to(target.dtype)
+        drafter.bind_target(target)
+        return drafter
     raise ValueError(
         f"unknown drafter {spec!r}: use a drafter folder, random, self or bigram:<folder|data>"
     )

@@ -212,6 +212,7 @@ class SpeculativeDecoder:
         self.drafter_version = drafter_version
         self.eos_token_ids = set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
         _check_vocab(drafter, target)
+        drafter.bind_target(target)  # weights shared with the target (DFlash), else a no-op
 
     def start(
         self,
@@ -339,6 +340,7 @@ class DecodeSession:
         decoder = self.decoder
         if drafter is not None:
             _check_vocab(drafter, decoder.target)
+            drafter.bind_target(decoder.target)
             decoder.drafter = drafter
         if version is not None:
             decoder.drafter_version = version

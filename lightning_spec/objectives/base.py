@@ -182,6 +182,7 @@ class Objective(LightningModule):
         target_model.requires_grad_(False)
         self.target = target_model.eval()  # frozen: TargetModel.train() keeps it in eval mode
         self.drafter = drafter.float()
+        self.drafter.bind_target(target_model)  # weights shared with the target (DFlash)
         self.drafter.train()
         self._nonfinite_total = 0
         self._nonfinite_consecutive = 0

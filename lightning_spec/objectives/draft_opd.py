@@ -11,7 +11,7 @@ the target made and judged on states it made itself. Draft-OPD trains on its own
    tried-and-rejected drafts with their block positions k (StepRecord v2).
 2. Replay at the anchors, batched: per step, the committed chain x_{a+1} .. x_{a+n} is fed to
    the drafter from the anchor through the decoder's own drafting seam
-   (`DrafterProposer.from_sequence` + `path_rows`, one teacher-forced pass per sequence serves
+   (`Drafter.sequence_proposer` + `path_rows`, one teacher-forced pass per sequence serves
    all anchors), giving the drafter's rows at block slots k = 1 .. n + 1; the target's rows at
    the same slots come from the shared tree-scoring module (`score_trees_target` over the
    chains, exact: every slot's context is the committed prefix, which is also the context every
@@ -43,7 +43,7 @@ from torch import Tensor
 from lightning_spec.decoding.score import score_trees_target
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.models.drafters.base import Drafter
-from lightning_spec.models.drafters.proposer import DrafterProposer, absorbed_offset
+from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.target import TargetModel
 from lightning_spec.objectives import losses
 from lightning_spec.objectives.base import BatchKeyError
@@ -298,8 +298,8 @@ class DraftOPD(EagleSFT):
                 max_tokens=int(self.hparams.score_max_tokens),
             )
             target_rows = self._target_draft_rows(scores, blocks.chains.shape[1] + 1)
-        proposer = DrafterProposer.from_sequence(
-            self.drafter, prefix, anchors, features=output.features
+        proposer = self.drafter.sequence_proposer(
+            prefix, anchors, features=output.features
         )
         draft_rows = proposer.path_rows(blocks.chains.to(device), draft_space=True)
         return target_rows, draft_rows

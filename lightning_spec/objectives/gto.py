@@ -7,7 +7,7 @@ training sequence:
 1. K groups of m adjacent prefix positions R (roots whose next token is an assistant token).
 2. For every root, the current drafter's tree and the frozen reference drafter's tree, built by
    the decoder's own tree policy through the decoder's own drafting seam
-   (`DrafterProposer.from_sequence` + `policy.build_batch`: one teacher-forced drafter pass per
+   (`Drafter.sequence_proposer` + `policy.build_batch`: one teacher-forced drafter pass per
    sequence serves all roots).
 3. Both sets of trees scored by the target in chunked forwards over ONE cache of the sequence
    (`decoding.score.score_trees_target`, the scoring code verification uses): per-node factors
@@ -46,7 +46,7 @@ from lightning_spec.decoding.score import TreeScores, score_trees_target
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.decoding.verify import verify_greedy_argmax, verify_sample
 from lightning_spec.models.drafters.base import Drafter
-from lightning_spec.models.drafters.proposer import DrafterProposer, absorbed_offset
+from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.logits import tempered_softmax
 from lightning_spec.models.target import TargetModel
 from lightning_spec.objectives import losses
@@ -312,12 +312,12 @@ class GroupTreeOptimization(EagleSFT):
         for index, (tree, path) in enumerate(zip(trees, accepted, strict=True)):
             if path:
                 paths[index, : len(path)] = tree.tokens[path].to(ids.device)
-        current = DrafterProposer.from_sequence(
-            self.drafter, sequence, flat, features=features, temperature=temperature
+        current = self.drafter.sequence_proposer(
+            sequence, flat, features=features, temperature=temperature
         ).path_logprobs(paths, lengths)
         with torch.no_grad():
-            reference = DrafterProposer.from_sequence(
-                self.reference, sequence, flat, features=features, temperature=temperature
+            reference = self.reference.sequence_proposer(
+                sequence, flat, features=features, temperature=temperature
             ).path_logprobs(paths, lengths)
         ratio = losses.sequence_ratio(
             logprobs=current, reference_logprobs=reference, lengths=lengths
@@ -360,8 +360,8 @@ class GroupTreeOptimization(EagleSFT):
     ) -> list[DraftTree]:
         """The decoder's own trees at `roots`: one teacher-forced pass, `policy.build_batch`."""
         temperature = float(self.hparams.temperature)
-        proposer = DrafterProposer.from_sequence(
-            drafter, sequence, roots, features=features, temperature=temperature
+        proposer = drafter.sequence_proposer(
+            sequence, roots, features=features, temperature=temperature
         )
         trees = (policy or self.policy).build_batch(proposer, temperature=temperature)
         proposer.finish()

@@ -220,6 +220,24 @@ def test_sampling_preserves_target_distribution(spec: str, monkeypatch: pytest.M
     assert _joint_tv(decoder, target, prompt, runs=200) > 0.2
 
 
+@pytest.mark.parametrize("spec", ["chain:2", "dynamic:2,2,4"])
+def test_sampling_with_a_block_drafter_preserves_target_distribution(spec: str) -> None:
+    """DFlash: every node's q row is its block slot's distribution (one forward per step), and
+    sampling verification with those rows keeps the target's law."""
+    from lightning_spec.models.drafters.dflash import DFlashDrafter
+
+    target = TargetModel.from_config(
+        tiny_config("llama", vocab_size=3, hidden_size=32, num_layers=2), seed=2
+    )
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(6.0)
+    drafter = DFlashDrafter.from_target(target, block_size=3, seed=4)
+    with torch.no_grad():
+        drafter.mask_embedding.mul_(50.0)  # slot rows far from uniform: a demanding proposal
+    decoder = SpeculativeDecoder(target, drafter, parse_tree_spec(spec), temperature=1.0)
+    assert _joint_tv(decoder, target, [2, 1, 2, 1], runs=400) < 0.13
+
+
 def test_kernel_fast_path_is_lossless() -> None:
     """Triton tree attention + fused verify (interpreted on CPU) give the target's greedy output."""
     from lightning_spec.kernels import TRITON_AVAILABLE

@@ -16,6 +16,7 @@ from lightning_spec.models.drafters.base import (
     register_drafter,
 )
 from lightning_spec.models.drafters.bigram import BigramDrafter
+from lightning_spec.models.drafters.dflash import DFlashDrafter
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.drafters.hydra import HydraDrafter
 from lightning_spec.models.drafters.standalone import StandaloneDrafter
@@ -25,6 +26,7 @@ __all__ = [
     "DRAFTER_TYPES",
     "WEIGHTS_NAME",
     "BigramDrafter",
+    "DFlashDrafter",
     "Drafter",
     "DrafterOutput",
     "Eagle3Drafter",

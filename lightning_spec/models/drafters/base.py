@@ -90,6 +90,11 @@ class Drafter(nn.Module):
         del depth
         return self.step(state, input_ids, position_ids, hidden=hidden, mask=mask)
 
+    def bind_target(self, target: Any) -> None:
+        """Attach weights shared with the frozen `target` (DFlash shares its embeddings and LM
+        head); a no-op for self-contained drafters. The decoder and the objectives call it."""
+        del target
+
     def proposer(
         self,
         state: Any,
@@ -112,6 +117,23 @@ class Drafter(nn.Module):
             root_positions,
             temperature=temperature,
             context_lengths=context_lengths,
+        )
+
+    def sequence_proposer(
+        self,
+        input_ids: Tensor,
+        root_positions: Tensor,
+        *,
+        features: Tensor | None = None,
+        temperature: float = 0.0,
+    ) -> Any:
+        """B trees rooted at `root_positions` [B] of one teacher-forced sequence [1, L]: the
+        seam GTO and Draft-OPD draft and re-score through (`DrafterProposer.from_sequence`);
+        drafters with their own proposer override it."""
+        from lightning_spec.models.drafters.proposer import DrafterProposer
+
+        return DrafterProposer.from_sequence(
+            self, input_ids, root_positions, features=features, temperature=temperature
         )
 
     def forward(

@@ -109,24 +109,36 @@ class CachedAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, shared: tuple[Tensor, Tensor], mask: Tensor | None
     ) -> Tensor:
         """Attention over [shared prefix (batch 1), own keys (batch B)] by broadcasting matmuls."""
-        shared_keys, shared_values = shared  # [1, Hkv, L, D]
-        batch, _, length, dim = q.shape
-        groups = self.num_heads // self.num_kv_heads
         if mask is None:
             raise ValueError("attention over a shared prefix needs an explicit mask")
-        if mask.dim() == 2:
-            mask = mask.unsqueeze(0)
-        qg = q.view(batch, self.num_kv_heads, groups, length, dim)
-        scale = dim**-0.5
-        scores_shared = qg @ shared_keys.transpose(-1, -2).unsqueeze(2)  # [B, Hkv, g, T, L]
-        scores_own = qg @ k.transpose(-1, -2).unsqueeze(2)  # [B, Hkv, g, T, n]
-        scores = torch.cat([scores_shared, scores_own], dim=-1) * scale
-        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-        weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        split = shared_keys.shape[2]
-        out = weights[..., :split] @ shared_values.unsqueeze(2) + weights[..., split:] @ v.unsqueeze(2)
-        out = out.reshape(batch, self.num_heads, length, dim).transpose(1, 2)
-        return self.o_proj(out.reshape(batch, length, self.num_heads * dim))
+        batch, _, length, dim = q.shape
+        out = attend_blocks(q, [shared, (k, v)], mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.num_heads * dim))
+
+
+def attend_blocks(q: Tensor, blocks: list[tuple[Tensor, Tensor]], mask: Tensor) -> Tensor:
+    """Grouped-query attention of q [B, Hq, T, D] over key/value blocks [B|1, Hkv, L_i, D].
+
+    Blocks of batch 1 are broadcast to every row without a copy (a shared teacher-forced
+    prefix, a drafter's context cache under B block queries). `mask` is bool [B|1, T, sum L_i]
+    (True = attend). Returns [B, Hq, T, D].
+    """
+    batch, heads, length, dim = q.shape
+    kv_heads = blocks[0][0].shape[1]
+    groups = heads // kv_heads
+    if mask.dim() == 2:
+        mask = mask.unsqueeze(0)
+    qg = q.view(batch, kv_heads, groups, length, dim)
+    scores = torch.cat([qg @ k.transpose(-1, -2).unsqueeze(2) for k, _ in blocks], dim=-1)
+    scores = (scores * dim**-0.5).masked_fill(~mask[:, None, None], float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [B, Hkv, g, T, sum L]
+    out = None
+    start = 0
+    for _, v in blocks:
+        part = weights[..., start : start + v.shape[2]] @ v.unsqueeze(2)
+        out = part if out is None else out + part
+        start += v.shape[2]
+    return out.reshape(batch, heads, length, dim)
 
 
 class GatedMLP(nn.Module):
