@@ -168,6 +168,15 @@ def export_package(
         drafter = load_drafter(drafter_dir)
     except (FileNotFoundError, ValueError) as error:
         raise ExportError(f"cannot load drafter: {error}", EXIT_USAGE) from error
+    if drafter.drafts_blocks:
+        raise ExportError(
+            f"{drafter_dir} holds a {drafter.drafter_type!r} block drafter, which ONNX export "
+            "does not cover yet: its step is a block forward over one context cache per layer, "
+            "and its embeddings and LM head are the target's (not in the folder), so the "
+            "EAGLE-3 step graph (one cache, its own head) cannot express it. Decode it with the "
+            "PyTorch engine (`lightning-spec generate`, `bench`, `serve`).",
+            EXIT_USAGE,
+        )
     if not isinstance(drafter, Eagle3Drafter):
         raise ExportError(
             f"{drafter_dir} holds a {drafter.drafter_type!r} drafter; ONNX export supports "

@@ -77,8 +77,11 @@ def test_bad_config_fails_clearly(tmp_path: Path) -> None:
     assert error.value.code != 0
 
 
-def test_cli_fit_runs_and_saves_its_config(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
-    """`lightning-spec fit` end to end on the quickstart config (tiny target, 2 steps): the
+@pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_dflash.yaml"])
+def test_cli_fit_runs_and_saves_its_config(
+    config: str, tiny_cli_assets: dict[str, str], tmp_path: Path
+) -> None:
+    """`lightning-spec fit` end to end on the quickstart configs (tiny target, 2 steps): the
     CLI must get past its own setup (it saves the resolved config into the logger's folder)."""
     from lightning_spec.cli import main
 
@@ -87,7 +90,7 @@ def test_cli_fit_runs_and_saves_its_config(tiny_cli_assets: dict[str, str], tmp_
         [
             "fit",
             "--config",
-            str(ROOT / "configs" / "quickstart.yaml"),
+            str(ROOT / "configs" / config),
             f"--model.init_args.target={tiny_cli_assets['model']}",
             f"--model.init_args.draft_vocab_size={tiny_cli_assets['vocab']}",
             f"--model.init_args.cache_dir={tmp_path / 'cache'}",

@@ -15,6 +15,7 @@ Sections:
 6. Draft-OPD: forward / reverse KL rows and their per-token estimators, block-position
    weights, the combined loss; arXiv 2605.29343
 7. Online preference updates (OnlineSpec's DPO variant): the DPO loss
+8. Block drafters (DFlash): slot weights (exponential decay, expected acceptance), the block loss
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from lightning_spec.decoding.tree import DraftTree
 
 __all__ = [
     "bernoulli_forward_kl",
+    "block_cross_entropy",
     "block_position_weights",
+    "block_slot_decay",
     "clipped_surrogate",
     "dpo_loss",
+    "expected_acceptance_weights",
     "draft_opd_loss",
     "forward_kl_rows",
     "k3_reverse_kl",
@@ -319,3 +323,50 @@ def dpo_loss(
     the reference, with beta bounding how far one round moves."""
     margin = (chosen - ref_chosen) - (rejected - ref_rejected)
     return -F.logsigmoid(beta * margin).mean()
+
+
+# --------------------------------------------------------------------------------------------
+# 8. Block drafters (DFlash: one forward drafts slots 1 .. S of a block)
+# --------------------------------------------------------------------------------------------
+
+
+def block_slot_decay(*, slots: int, gamma: float) -> Tensor:
+    """[S] w_k = exp(-(k - 1) / gamma), k = 1 .. S: the DFlash paper's decay (gamma 7, 5, 4 for
+    blocks of 16, 10, 8). A slot is only worth anything when every earlier slot was accepted."""
+    if slots < 1 or gamma <= 0:
+        raise ValueError(f"slots >= 1 and gamma > 0 required, got {slots}, {gamma}")
+    return torch.exp(-torch.arange(slots, dtype=torch.float32) / gamma)
+
+
+def expected_acceptance_weights(*, draft_logits: Tensor, target_probs: Tensor) -> Tensor:
+    """[..., S] w_k = prod_{j < k} a_j with a_j = sum_v min(p_j(v), q_j(v)), no gradient.
+
+    a_j is the chance that slot j's draft is accepted by sampling verification (1 - TV(p, q));
+    w_k is then the chance the chain reaches slot k, i.e. how much slot k can add to the
+    acceptance length. draft_logits [..., S, V], target_probs [..., S, V] (rows summing to 1).
+    """
+    with torch.no_grad():
+        q = torch.softmax(draft_logits.float(), dim=-1)
+        accept = torch.minimum(q, target_probs.float()).sum(dim=-1)  # [..., S]
+        reach = torch.cumprod(accept, dim=-1)
+        return torch.cat([torch.ones_like(reach[..., :1]), reach[..., :-1]], dim=-1)
+
+
+def block_cross_entropy(
+    *, logits: Tensor, target_probs: Tensor, weights: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(weighted loss, per-slot losses [S]) of soft cross-entropy per block slot.
+
+    logits/target_probs [A, S, V], weights [S] or [A, S], mask [A, S] (valid slots). The loss is
+    sum(w * mask * H) / sum(w * mask): the weights only say how much each slot counts relative
+    to the others; an empty mask gives 0. Per-slot losses are unweighted masked means.
+    """
+    log_q = F.log_softmax(logits.float(), dim=-1)
+    per_slot = -(target_probs.float() * log_q).sum(dim=-1)  # [A, S]
+    valid = mask.float()
+    weighted = weights.to(per_slot.device).float().expand_as(per_slot) * valid
+    total = (weighted * per_slot).sum() / weighted.sum().clamp_min(1e-12)
+    slots = torch.stack(
+        [masked_mean(values=per_slot[:, k], mask=valid[:, k]) for k in range(per_slot.shape[1])]
+    )
+    return total, slots

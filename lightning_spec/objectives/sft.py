@@ -331,6 +331,12 @@ class EagleSFT(Objective):
         cache_dir: str | None = None,
         drafter_type: str = "eagle3",
         num_heads: int = 4,
+        block_size: int = 8,
+        num_layers: int = 1,
+        anchors_per_sequence: int = 16,
+        block_weighting: str = "decay",
+        block_gamma: float | None = None,
+        seed: int = 0,
     ) -> None:
         """
         Args:
@@ -361,9 +367,27 @@ class EagleSFT(Objective):
                 dependent heads, `models/drafters/hydra.py`; the TTT unroll trains head k on
                 depth k).
             num_heads: Heads of a fresh Hydra drafter.
+            block_size: B of a fresh DFlash drafter (drafter_type "dflash"): the anchor plus
+                B - 1 slots drafted in one forward.
+            num_layers: Decoder layers of a fresh DFlash drafter (1 to 8).
+            anchors_per_sequence: Block drafters: random anchors (blocks) per training sequence
+                (`objectives/block.py`); the TTT settings above are then unused.
+            block_weighting: Block drafters' slot weights: decay (the DFlash paper) |
+                acceptance (the chance the chain reaches the slot) | uniform.
+            block_gamma: The decay constant of ``decay`` (None: 7, 5, 4 for blocks of 16, 10,
+                8, else B / 2).
+            seed: Seed of the anchor choice.
         """
-        if drafter_type not in ("eagle3", "hydra"):
-            raise ValueError(f"drafter_type must be eagle3 or hydra, got {drafter_type!r}")
+        if drafter_type not in ("eagle3", "hydra", "dflash"):
+            raise ValueError(
+                f"drafter_type must be eagle3, hydra or dflash, got {drafter_type!r}"
+            )
+        from lightning_spec.objectives.block import BLOCK_WEIGHTINGS
+
+        if block_weighting not in BLOCK_WEIGHTINGS:
+            raise ValueError(
+                f"EagleSFT: block_weighting = {block_weighting!r}; choose one of {BLOCK_WEIGHTINGS}"
+            )
         # checked before the target loads or any data is prepared, each field named
         for field, value, ok in (
             ("ttt_steps", ttt_steps, ttt_steps >= 1),
@@ -371,6 +395,10 @@ class EagleSFT(Objective):
             ("draft_vocab_size", draft_vocab_size, draft_vocab_size >= 1),
             ("vocab_conversations", vocab_conversations, vocab_conversations >= 1),
             ("num_heads", num_heads, num_heads >= 1),
+            ("block_size", block_size, block_size >= 2),
+            ("num_layers", num_layers, 1 <= num_layers <= 8),
+            ("anchors_per_sequence", anchors_per_sequence, anchors_per_sequence >= 1),
+            ("block_gamma", block_gamma, block_gamma is None or block_gamma > 0),
         ):
             if not ok:
                 raise ValueError(f"EagleSFT: {field} = {value!r} is out of range")
@@ -386,6 +414,7 @@ class EagleSFT(Objective):
             max_consecutive_nonfinite=max_consecutive_nonfinite,
         )
         self._tokens_seen = 0
+        self._anchor_generator = torch.Generator().manual_seed(int(seed))
 
     def build_drafter(self, target: TargetModel) -> Drafter:
         """A fresh EAGLE-3 head with a draft vocabulary counted on `vocab_source`."""
@@ -398,6 +427,17 @@ class EagleSFT(Objective):
                 source=hp.vocab_source,
                 conversations=hp.vocab_conversations,
                 cache_dir=hp.cache_dir,
+            )
+        if hp.get("drafter_type", "eagle3") == "dflash":
+            from lightning_spec.models.drafters.dflash import DFlashDrafter
+
+            return DFlashDrafter.from_target(
+                target,
+                block_size=int(hp.block_size),
+                num_layers=int(hp.num_layers),
+                draft_vocab_size=draft_vocab,
+                token_counts=counts,
+                intermediate_size=hp.intermediate_size,
             )
         if hp.get("drafter_type", "eagle3") == "hydra":
             from lightning_spec.models.drafters.hydra import HydraDrafter
@@ -461,6 +501,8 @@ class EagleSFT(Objective):
             features, target_logits = self._target_outputs(batch)
             target_probs, target_argmax = ttt_labels(self.drafter, target_logits=target_logits)
             del target_logits  # the full-vocabulary logits are the largest tensor of the step
+        if self.drafter.drafts_blocks:  # a block drafter (DFlash): block SFT
+            return self._block_step(input_ids, features, target_probs, target_argmax, loss_mask)
         return eagle_ttt_losses(
             self.drafter,
             input_ids=input_ids,
@@ -470,6 +512,38 @@ class EagleSFT(Objective):
             loss_mask=loss_mask,
             steps=int(self.hparams.ttt_steps),
             decay=float(self.hparams.ttt_decay),
+        )
+
+    def _block_step(
+        self,
+        input_ids: Tensor,
+        features: Tensor,
+        target_probs: Tensor,
+        target_argmax: Tensor,
+        loss_mask: Tensor,
+    ) -> TTTResult:
+        """Block SFT (`objectives/block.py`); slot k is reported as step k - 1 (depth k)."""
+        from lightning_spec.objectives.block import block_sft_losses
+
+        hp = self.hparams
+        result = block_sft_losses(
+            self.drafter,
+            input_ids=input_ids,
+            features=features,
+            target_probs=target_probs,
+            target_argmax=target_argmax,
+            loss_mask=loss_mask,
+            anchors=int(hp.get("anchors_per_sequence", 16)),
+            weighting=str(hp.get("block_weighting", "decay")),
+            gamma=hp.get("block_gamma"),
+            generator=self._anchor_generator,
+        )
+        return TTTResult(
+            loss=result.loss,
+            step_losses=result.slot_losses,
+            step_accuracy=result.slot_accuracy,
+            step_counts=result.slot_counts,
+            tokens=result.tokens,
         )
 
     def _log_steps(self, stage: str, result: TTTResult, **kwargs: Any) -> None:

@@ -201,6 +201,17 @@ def test_bad_drafter_folder_is_a_usage_error(tmp_path: Path, capsys) -> None:
     assert "cannot load drafter" in capsys.readouterr().err
 
 
+def test_block_drafter_is_refused_with_the_reason(tmp_path: Path, capsys) -> None:
+    from lightning_spec.models.drafters.dflash import DFlashDrafter
+
+    target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=0)
+    folder = DFlashDrafter.from_target(target, block_size=3).save_pretrained(tmp_path / "d")
+    code = export_cli.main(["--drafter", str(folder), "--output", str(tmp_path / "o")])
+    assert code == cli.EXIT_USAGE
+    message = capsys.readouterr().err
+    assert "block drafter" in message and "LM head are the target's" in message
+
+
 def test_argparse_errors_return_2(capsys) -> None:
     assert export_cli.main(["--output", "x"]) == 2
     assert export_cli.main(["--drafter", "d", "--output", "o", "--precision", "int8"]) == 2

@@ -35,6 +35,8 @@ class Drafter(nn.Module):
     drafter_type: ClassVar[str] = "base"
     #: True when `step` needs target features for committed tokens (EAGLE-style heads).
     needs_features: ClassVar[bool] = False
+    #: True for block drafters (DFlash): one forward drafts every depth; trained by block SFT.
+    drafts_blocks: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()

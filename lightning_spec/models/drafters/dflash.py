@@ -146,6 +146,7 @@ class DFlashDrafter(Drafter):
 
     drafter_type = "dflash"
     needs_features = True
+    drafts_blocks = True
 
     def __init__(self, config: dict[str, Any]) -> None:
         config = dict(config)
@@ -407,8 +408,12 @@ class DFlashDrafter(Drafter):
     def target_to_draft_ids(self, target_ids: Tensor) -> Tensor:
         if self.draft_vocab_size == self.target_vocab_size:
             return target_ids
-        lookup = torch.full((self.target_vocab_size,), -1, dtype=torch.long, device=target_ids.device)
-        lookup[draft_to_target_ids(self.d2t)] = torch.arange(self.draft_vocab_size, device=target_ids.device)
+        lookup = torch.full(
+            (self.target_vocab_size,), -1, dtype=torch.long, device=target_ids.device
+        )
+        lookup[draft_to_target_ids(self.d2t)] = torch.arange(
+            self.draft_vocab_size, device=target_ids.device
+        )
         return lookup[target_ids]
 
     # ------------------------------------------------------------------ persistence
