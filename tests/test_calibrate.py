@@ -134,6 +134,25 @@ def test_measure_acceptance_of_self_drafting(target: TargetModel) -> None:
     assert restored.alpha == profile.alpha
 
 
+def test_block_drafters_are_calibrated_within_their_block(target: TargetModel) -> None:
+    """A DFlash block of 4 drafts 3 tokens in one forward: only trees of depth <= 3 are
+    candidates, and drafting is charged once per step whatever the depth."""
+    from lightning_spec.decoding.build import parse_tree_spec
+    from lightning_spec.models.drafters.dflash import DFlashDrafter
+
+    drafter = DFlashDrafter.from_target(target, block_size=4)
+    result = calibrate.calibrate(
+        target, drafter, [list(range(3, 12))], sizes=(1, 4, 8), context=16, repeats=1,
+        max_new_tokens=12,
+    )  # fmt: skip
+    assert result["block_slots"] == 3 and result["acceptance"]["probe"] == "chain:3"
+    assert all(parse_tree_spec(row["policy"]).max_depth <= 3 for row in result["table"])
+    first, *rest = result["draft_cost"]
+    assert first > 0 and rest == [0.0, 0.0]
+    again, _, _ = calibrate.suggestion_from_calibration(result)
+    assert again == result["suggestion"]["policy"]
+
+
 def test_calibrate_cli_wiring(
     target: TargetModel, monkeypatch: pytest.MonkeyPatch, tmp_path, capsys
 ) -> None:

@@ -36,7 +36,10 @@ target has one greedy token), which is why their probabilities add. Approximatio
   their `top_k` best ranks, and the `total_tokens - 1` best candidates are kept. This is
   optimistic when the drafter's confidence is poorly calibrated.
 * Drafting costs one drafter call per depth level (k - 1 expansions plus the re-absorption of
-  the committed tokens), each charged `draft_cost_per_depth` whatever its width.
+  the committed tokens), each charged `draft_cost_per_depth` whatever its width. A block
+  drafter (DFlash) drafts every depth in one forward: its measured step drafting time is charged
+  once, whatever the depth (`draft_cost_model`), and only trees no deeper than its block are
+  candidates.
 """
 
 from __future__ import annotations
@@ -574,15 +577,22 @@ def calibrate(
 ) -> dict[str, Any]:
     """Cost curve + acceptance profile + suggestion, as one JSON-ready dict."""
     tic = time.perf_counter()
+    slots = block_slots(drafter)
+    if slots is not None:  # a block drafter cannot draft deeper than its block
+        depth = min(depth, slots)
+        candidates = [
+            c for c in (candidates or candidate_policies()) if _as_policy(c).max_depth <= slots
+        ]
     curve = measure_verify_cost(target, sizes, context, repeats, seed=seed)
     step = measure_autoregressive_step(target, context, seed=seed)
     profile = measure_acceptance(
         target, drafter, prompts, depth=depth, ranks=ranks, max_new_tokens=max_new_tokens
     )
+    draft_cost = draft_cost_model(profile, slots)
     spec, speedup, table = suggest_policy(
         profile,
         curve,
-        profile.draft_seconds_per_depth,
+        draft_cost,
         candidates,
         profile.overhead_seconds,
         autoregressive_seconds=step,
@@ -594,6 +604,8 @@ def calibrate(
         "repeats": repeats,
         "acceptance": profile.to_dict(),
         "draft_seconds_per_depth": profile.draft_seconds_per_depth,
+        "draft_cost": draft_cost,
+        "block_slots": slots,
         "overhead_seconds": profile.overhead_seconds,
         "suggestion": {"policy": spec, "expected_speedup": speedup},
         "candidates": list(candidates) if candidates else None,
@@ -614,11 +626,27 @@ def suggestion_from_calibration(
     return suggest_policy(
         profile,
         curve,
-        profile.draft_seconds_per_depth,
+        data.get("draft_cost", profile.draft_seconds_per_depth),
         candidates,
         profile.overhead_seconds,
         autoregressive_seconds=data.get("autoregressive_step_seconds"),
     )
+
+
+def block_slots(drafter: Any) -> int | None:
+    """Tokens a block drafter drafts per forward (block size - 1); None for other drafters."""
+    if not getattr(drafter, "drafts_blocks", False):
+        return None
+    return int(drafter.block_size) - 1
+
+
+def draft_cost_model(profile: AcceptanceProfile, slots: int | None) -> float | list[float]:
+    """Per-depth drafting seconds for `step_seconds`: the probe's time per level, or for a
+    block drafter its whole step drafting time at the first level and nothing deeper."""
+    if slots is None:
+        return profile.draft_seconds_per_depth
+    depth = int(profile.probe.split(":")[1]) if profile.probe else 1
+    return [profile.draft_seconds_per_depth * depth] + [0.0] * max(slots - 1, 0)
 
 
 def format_report(result: dict[str, Any], top: int = 10) -> str:
