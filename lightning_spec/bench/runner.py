@@ -523,7 +523,8 @@ def _policy_spec(policy: TreePolicy | None) -> str | None:
 
     if isinstance(policy, LookupPolicy):
         lookup = policy.lookup
-        return f"{_policy_spec(policy.base)}+lookup:{lookup.max_ngram},{lookup.num_tokens}"  # type: ignore[arg-type]
+        reach = f",{policy.min_reach:g}" if policy.min_reach > 0 else ""
+        return f"{_policy_spec(policy.base)}+lookup:{lookup.max_ngram},{lookup.num_tokens}{reach}"  # type: ignore[arg-type]
     if isinstance(policy, ChainPolicy):
         return f"chain:{policy.k}"
     if isinstance(policy, DynamicTreePolicy):

@@ -567,8 +567,8 @@ def select_best(scores: Tensor, count: int) -> Tensor:
 def parse_tree_spec(spec: str) -> TreePolicy:
     """Policy from a string: ``chain:K``, ``dynamic:DEPTH,TOP_K,TOTAL_TOKENS``,
     ``static:NAME`` (see `STATIC_TREES`) or ``static:[(0,), (1,), (0, 0)]`` (explicit ranks),
-    optionally followed by ``+lookup`` or ``+lookup:MAX_NGRAM,TOKENS`` (a prompt-lookup branch
-    grafted at T = 0, `decoding.lookup`; defaults 3 and 8)."""
+    optionally followed by ``+lookup`` or ``+lookup:MAX_NGRAM,TOKENS[,MIN_REACH]`` (a
+    prompt-lookup branch grafted at T = 0, `decoding.lookup`; defaults 3, 8 and 0)."""
     base, plus, extra = spec.partition("+")
     if plus:
         return _lookup_policy(parse_tree_spec(base), extra.strip(), spec)
@@ -608,10 +608,15 @@ def _lookup_policy(base: TreePolicy, extra: str, spec: str) -> TreePolicy:
     from lightning_spec.decoding.lookup import LookupPolicy, PromptLookup
 
     kind, _, args = extra.partition(":")
+    usage = "expected '+lookup' or '+lookup:MAX_NGRAM,TOKENS[,MIN_REACH]'"
     if kind.strip().lower() != "lookup":
-        raise ValueError(f"bad tree spec {spec!r}: after '+' only 'lookup[:MAX_NGRAM,TOKENS]'")
+        raise ValueError(f"bad tree spec {spec!r}: after '+' only lookup; {usage}")
+    parts = [part.strip() for part in args.split(",")] if args.strip() else []
     try:
-        lookup = PromptLookup(*_ints(args, 2)) if args.strip() else PromptLookup()
+        if parts and len(parts) not in (2, 3):
+            raise ValueError(f"{len(parts)} values")
+        lookup = PromptLookup(int(parts[0]), int(parts[1])) if parts else PromptLookup()
+        min_reach = float(parts[2]) if len(parts) == 3 else 0.0
+        return LookupPolicy(base, lookup, min_reach)  # type: ignore[return-value]
     except ValueError as error:
-        raise ValueError(f"bad tree spec {spec!r}: {error}; expected '+lookup:MAX_NGRAM,TOKENS'") from error
-    return LookupPolicy(base, lookup)  # type: ignore[return-value]
+        raise ValueError(f"bad tree spec {spec!r}: {error}; {usage}") from error

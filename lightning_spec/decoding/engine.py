@@ -465,6 +465,9 @@ class DecodeSession:
             probs = None
             verification = decoder.greedy_verifier(tree, logits)
         timings["verify"] = time.perf_counter() - tic
+        observe = getattr(decoder.policy, "observe", None) if graft is not None else None
+        if observe is not None:
+            observe(verification.committed_tokens(tree))  # the lookup's running acceptance
         # ---- update: keep the root and the accepted path in the target cache
         tic = time.perf_counter()
         accepted = verification.accepted.cpu()

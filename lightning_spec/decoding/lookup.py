@@ -24,13 +24,14 @@ log-prob is 0 (the point mass the lookup proposes). Training objectives draft th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import Tensor
 
 from lightning_spec.decoding.tree import DraftTree
 
-__all__ = ["LookupPolicy", "PromptLookup", "graft_chain", "require_drafter_policy"]
+__all__ = ["LookupPolicy", "LookupStats", "PromptLookup", "graft_chain", "require_drafter_policy"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class PromptLookup:
 
     def propose(self, sequence: Sequence[int]) -> list[int]:
         """Up to `num_tokens` tokens that followed the latest earlier match of the suffix."""
+        return self.match(sequence)[0]
+
+    def match(self, sequence: Sequence[int]) -> tuple[list[int], int]:
+        """(`propose`'s tokens, the length n of the matched n-gram; 0 when nothing matched)."""
         context = torch.as_tensor(list(sequence[-self.window :]), dtype=torch.long)
         length = int(context.shape[0])
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
@@ -66,8 +71,46 @@ class PromptLookup:
             hits = (windows == suffix).all(dim=1).nonzero().flatten()
             if hits.numel():
                 start = int(hits[-1]) + n  # the latest match: closest in topic and style
-                return context[start : start + self.num_tokens].tolist()
-        return []
+                return context[start : start + self.num_tokens].tolist(), n
+        return [], 0
+
+
+class LookupStats:
+    """Running acceptance of lookup branches per matched n-gram length and depth.
+
+    ``cond[n][d]``: of the branches from an n-gram match that reached depth d (their tokens
+    1 .. d - 1 were the target's), how many had token d right too. With a pseudo-count prior
+    of one accepted try per cell, an unseen cell starts at 1 (a new decoder proposes the whole
+    branch and learns). `reach(n, d)` = prod of cond over depths 1 .. d: the chance that a
+    branch node at depth d is accepted, which is what it must beat to be worth its share of
+    the verification forward.
+    """
+
+    def __init__(self, max_ngram: int, depth: int, prior: float = 1.0) -> None:
+        self.accepted = torch.zeros(max_ngram + 1, depth)
+        self.tried = torch.zeros(max_ngram + 1, depth)
+        self.prior = float(prior)
+        self.pending: tuple[list[int], int] | None = None
+
+    def reach(self, n: int) -> Tensor:
+        """[depth] estimated P(accepted through depth d) of a branch from an n-gram match."""
+        cond = (self.accepted[n] + self.prior) / (self.tried[n] + self.prior)
+        return torch.cumprod(cond, dim=0)
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """Update from the tokens the step committed (accepted drafts, then the bonus)."""
+        if self.pending is None:
+            return
+        chain, n = self.pending
+        self.pending = None
+        matched = 0
+        for proposed, token in zip(chain, committed, strict=False):
+            if proposed != token:
+                break
+            matched += 1
+        reached = min(matched + 1, len(chain))  # depths 1 .. matched + 1 were looked at
+        self.tried[n, :reached] += 1
+        self.accepted[n, :matched] += 1
 
 
 def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
@@ -110,6 +153,17 @@ class LookupPolicy:
 
     base: object  # a TreePolicy
     lookup: PromptLookup
+    min_reach: float = 0.0
+    """> 0: cut each branch where its estimated chance of acceptance (`LookupStats`, learnt
+    while decoding) falls below this; 0 always grafts `num_tokens` tokens."""
+    stats: LookupStats | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_reach < 1.0:
+            raise ValueError(f"min_reach must lie in [0, 1), got {self.min_reach}")
+        if self.stats is None:
+            stats = LookupStats(self.lookup.max_ngram, self.lookup.num_tokens)
+            object.__setattr__(self, "stats", stats)
 
     @property
     def max_nodes(self) -> int:
@@ -130,10 +184,21 @@ class LookupPolicy:
 
     def graft(self, tree: DraftTree, sequence: Sequence[int], temperature: float) -> DraftTree:
         """The tree to verify: with the lookup chain at T = 0, unchanged at T > 0."""
+        self.stats.pending = None  # type: ignore[union-attr]
         if temperature > 0:
             return tree
-        chain = self.lookup.propose(sequence)
-        return graft_chain(tree, chain) if chain else tree
+        chain, n = self.lookup.match(sequence)
+        if chain and self.min_reach > 0:
+            keep = int((self.stats.reach(n)[: len(chain)] >= self.min_reach).sum())  # type: ignore[union-attr]
+            chain = chain[:keep]  # reach falls with depth: the kept depths are a prefix
+        if not chain:
+            return tree
+        self.stats.pending = (chain, n)  # type: ignore[union-attr]
+        return graft_chain(tree, chain)
+
+    def observe(self, committed: Sequence[int]) -> None:
+        """The decoder reports what a grafted step committed (`LookupStats.observe`)."""
+        self.stats.observe(committed)  # type: ignore[union-attr]
 
 
 def require_drafter_policy(policy: object, where: str) -> None:

@@ -9,6 +9,7 @@ from lightning_spec.decoding.build import DynamicTreePolicy, parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from lightning_spec.decoding.lookup import (
     LookupPolicy,
+    LookupStats,
     PromptLookup,
     graft_chain,
     require_drafter_policy,
@@ -105,6 +106,32 @@ def test_policy_grafts_only_greedy_trees() -> None:
     assert policy.max_nodes == 3 + 3 and policy.max_depth == 3  # 3: total_tokens minus the root
 
 
+def test_stats_learn_how_deep_branches_are_accepted() -> None:
+    stats = LookupStats(max_ngram=2, depth=4)
+    torch.testing.assert_close(stats.reach(2), torch.ones(4))  # unseen: propose it all
+    for _ in range(9):  # 2-gram branches whose first token is right and second wrong
+        stats.pending = ([5, 6, 7, 8], 2)
+        stats.observe([5, 9, 1])
+    cond = torch.tensor([10 / 10, 1 / 10, 1.0, 1.0])  # depths 3, 4 were never reached
+    torch.testing.assert_close(stats.reach(2), torch.cumprod(cond, 0))
+    stats.observe([5])  # nothing pending: no change
+    torch.testing.assert_close(stats.tried[2], torch.tensor([9.0, 9.0, 0.0, 0.0]))
+    torch.testing.assert_close(stats.reach(1), torch.ones(4))  # other n-grams are apart
+
+
+def test_min_reach_cuts_branches_the_decoder_learnt_are_rejected() -> None:
+    policy = LookupPolicy(DynamicTreePolicy(2, 2, 4), PromptLookup(2, 4), min_reach=0.3)
+    sequence = [1, 2, 3, 4, 5, 6, 1, 2]
+    tree = _tree([10], [-1])
+    assert policy.graft(tree, sequence, 0.0).num_nodes == 1 + 4  # nothing learnt yet
+    for _ in range(5):
+        policy.graft(tree, sequence, 0.0)
+        policy.observe([3, 9])  # the target takes the first copied token only
+    assert policy.graft(tree, sequence, 0.0).tokens.tolist() == [10, 3]
+    with pytest.raises(ValueError, match="min_reach"):
+        LookupPolicy(DynamicTreePolicy(2, 2, 4), PromptLookup(), min_reach=1.5)
+
+
 # ------------------------------------------------------------------------------- tree specs
 def test_tree_spec_with_a_lookup_branch() -> None:
     policy = parse_tree_spec("dynamic:2,3,6+lookup:2,5")
@@ -112,7 +139,10 @@ def test_tree_spec_with_a_lookup_branch() -> None:
     assert policy.base == DynamicTreePolicy(2, 3, 6)
     assert policy.lookup == PromptLookup(max_ngram=2, num_tokens=5)
     assert parse_tree_spec("chain:2 + lookup").lookup == PromptLookup()  # type: ignore[attr-defined]
-    for bad in ("chain:2+lookahead:2,5", "chain:2+lookup:2", "chain:2+lookup:0,4", "x:1+lookup"):
+    assert parse_tree_spec("chain:2+lookup:3,8,0.05").min_reach == 0.05  # type: ignore[attr-defined]
+    bad_specs = ("chain:2+lookahead:2,5", "chain:2+lookup:2", "chain:2+lookup:0,4", "x:1+lookup",
+                 "chain:2+lookup:2,4,1.5", "chain:2+lookup:2,4,0.1,3")  # fmt: skip
+    for bad in bad_specs:
         with pytest.raises(ValueError, match="bad tree spec"):
             parse_tree_spec(bad)
 
@@ -138,7 +168,9 @@ def setup(request: pytest.FixtureRequest) -> dict:
     return {"target": target, "drafter": drafter}
 
 
-@pytest.mark.parametrize("spec", ["chain:1+lookup:3,6", "dynamic:2,3,6+lookup:2,8"])
+@pytest.mark.parametrize(
+    "spec", ["chain:1+lookup:3,6", "dynamic:2,3,6+lookup:2,8", "dynamic:2,3,6+lookup:2,8,0.2"]
+)
 def test_greedy_output_with_lookup_equals_target(setup: dict, spec: str) -> None:
     target = setup["target"]
     decoder = SpeculativeDecoder(target, setup["drafter"], parse_tree_spec(spec))
