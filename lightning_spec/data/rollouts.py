@@ -729,7 +729,8 @@ class RolloutStore:
         last_hidden: Mapping[str, Tensor] | None = None,
         target_argmax: Mapping[str, Tensor] | None = None,
     ) -> bool:
-        """Cache ``{record id: [T, F]}`` features (stored fp16) for token shard ``shard``, and
+        """Cache ``{record id: [T, F]}`` features (stored fp16, rows past fp16's range with a
+        per-row scale: `_flatten_rows`) for token shard ``shard``, and
         optionally the target's final hidden states ``{record id: [T, H]}`` (with both, an
         objective can skip the target forward: logits = LM head of the last hidden state).
 
@@ -739,11 +740,12 @@ class RolloutStore:
         from safetensors.torch import save
 
         ids = list(features)
-        tensors = {"features": _flatten_rows([features[i] for i in ids], "features")}
+        tensors: dict[str, Tensor] = {}
+        _put_rows(tensors, "features", [features[i] for i in ids])
         if last_hidden is not None:
             if any(last_hidden[i].shape[0] != features[i].shape[0] for i in ids):
                 raise ValueError("last_hidden and features must cover the same tokens")
-            tensors["last_hidden"] = _flatten_rows([last_hidden[i] for i in ids], "last_hidden")
+            _put_rows(tensors, "last_hidden", [last_hidden[i] for i in ids])
         if target_argmax is not None:
             # The target's full-vocabulary argmax per token: the exact label of acceptance
             # metrics, which the LM head on `last_hidden` would otherwise recompute in full.
@@ -799,7 +801,8 @@ class RolloutStore:
         verify: bool = True,
         key: str = "features",
     ) -> dict[str, Tensor]:
-        """``{record id: fp16 [T, F]}`` cached for token shard ``shard`` (empty if none);
+        """``{record id: [T, F]}`` cached for token shard ``shard`` (fp16; float32 for records
+        stored with a per-row scale; empty if none);
         ``key="last_hidden"`` gives the cached final hidden states instead."""
         return self.read_cached(shard, feature_config=feature_config, verify=verify)[key]
 
@@ -829,34 +832,59 @@ class RolloutStore:
         for key in CACHED_FIELDS:
             if key in tensors:
                 flat = tensors[key]
+                scale = tensors.get(f"{key}{SCALE_SUFFIX}")
+                if scale is not None:  # rows past fp16's range, stored divided by a scale
+                    flat = flat.float() * scale.unsqueeze(-1)
                 out[key] = {rid: flat[offsets[i] : offsets[i + 1]] for i, rid in enumerate(ids)}
         return out
 
 
 FLOAT16_MAX = 65504.0
+SCALE_SUFFIX = "_scale"
 
 
-def _flatten_rows(rows: Sequence[Tensor], name: str) -> Tensor:
-    """Concatenate ``[T_i, D]`` rows into one fp16 ``[sum T_i, D]`` tensor on the CPU.
+def _put_rows(tensors: dict[str, Tensor], name: str, rows: Sequence[Tensor]) -> None:
+    """``tensors[name]`` (fp16 rows) and, when some row needed one, ``tensors[name_scale]``."""
+    flat, scale = _flatten_rows(rows, name)
+    tensors[name] = flat
+    if scale is not None:
+        tensors[f"{name}{SCALE_SUFFIX}"] = scale
+#: Rows whose largest magnitude passes this are stored divided by a per-row scale (see below).
+FLOAT16_SAFE = 32768.0
 
-    Refuses what fp16 cannot hold, naming the magnitude: some targets' hidden states reach
-    1e5, which fp16 turns into inf, and a drafter trained on inf features learns nothing but
-    NaN (the store would keep serving them to every later run)."""
+
+def _flatten_rows(rows: Sequence[Tensor], name: str) -> tuple[Tensor, Tensor | None]:
+    """Concatenate ``[T_i, D]`` rows into one fp16 ``[sum T_i, D]`` tensor on the CPU, and the
+    per-row scales it must be multiplied by (None when every scale is 1).
+
+    Some targets' hidden states reach 1e5 (activation outliers), past fp16's 65,504. Such rows
+    are stored as fp16(row / s) with s = max|row| / 32768, so every element keeps fp16's 11-bit
+    precision relative to its row: finer than bf16 (8 bits) at the same size, plus 4 bytes a
+    row, and rows within range are stored exactly as before (no scale tensor, old caches read
+    unchanged). Non-finite values are refused with the record and column named: a drafter
+    trained on inf features learns nothing but NaN, and the store would serve them to every
+    later run."""
     if any(r.dim() != 2 for r in rows) or len({int(r.shape[-1]) for r in rows}) > 1:
         raise ValueError(f"{name} must be [T, D] with one D for every record")
-    for row in rows:
-        if not bool(torch.isfinite(row).all()):
-            raise ValueError(f"cached {name}: the target produced non-finite values (NaN/inf)")
-        peak = float(row.detach().abs().max()) if row.numel() else 0.0
-        if peak > FLOAT16_MAX:
-            column = int(row.detach().abs().max(dim=0).values.argmax())
+    scaled: list[Tensor] = []
+    scales: list[Tensor] = []
+    for index, row in enumerate(rows):
+        row = row.detach().to("cpu", torch.float32)
+        finite = torch.isfinite(row)
+        if not bool(finite.all()):
+            token, column = (int(v) for v in (~finite).nonzero()[0])
             raise ValueError(
-                f"cached {name}: values reach {peak:.3g} (column {column}), beyond float16's "
-                f"{FLOAT16_MAX:g}; this target's hidden states are too large to cache in fp16: "
-                "set feature_cache_bytes: 0 to compute them in the training step instead"
+                f"cached {name}: the target produced non-finite values (NaN/inf) in record "
+                f"{index}, token {token}, column {column}"
             )
-    rows = [r.detach().to("cpu", torch.float16) for r in rows]
-    return torch.cat(rows).contiguous() if rows else torch.zeros(0, 0, dtype=torch.float16)
+        peak = row.abs().amax(dim=-1) if row.numel() else row.new_zeros(row.shape[0])
+        scale = (peak / FLOAT16_SAFE).clamp_min(1.0)  # [T]
+        scaled.append((row / scale.unsqueeze(-1)).to(torch.float16))
+        scales.append(scale)
+    if not rows:
+        return torch.zeros(0, 0, dtype=torch.float16), None
+    scale = torch.cat(scales)
+    return torch.cat(scaled).contiguous(), None if bool((scale == 1).all()) else scale
 
 
 def verify_store(directory: str | Path) -> list[str]:

@@ -249,12 +249,17 @@ class Objective(LightningModule):
         )
         if self._nonfinite_consecutive >= int(self.hparams.max_consecutive_nonfinite):
             raise FloatingPointError(
-                f"{self._nonfinite_consecutive} consecutive non-finite losses: stopping "
-                "(lower the learning rate, check the data, or use bf16-mixed not fp16)"
+                f"{self._nonfinite_consecutive} consecutive non-finite losses: stopping; "
+                f"{self.describe_nonfinite()}"
             )
         self._skip_update = True
         self.log("train/skipped_nonfinite", float(self._nonfinite_total))
         return sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0.0
+
+    def describe_nonfinite(self) -> str:
+        """What the last step found non-finite, for the stopping message (objectives that
+        check their inputs override it: `EagleSFT` names features, labels or the drafter)."""
+        return "lower the learning rate, check the data, or use bf16-mixed not fp16"
 
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None

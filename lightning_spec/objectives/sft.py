@@ -501,6 +501,10 @@ class EagleSFT(Objective):
             features, target_logits = self._target_outputs(batch)
             target_probs, target_argmax = ttt_labels(self.drafter, target_logits=target_logits)
             del target_logits  # the full-vocabulary logits are the largest tensor of the step
+        self._finite_inputs = {
+            "target features": bool(torch.isfinite(features).all()),
+            "target labels": bool(torch.isfinite(target_probs).all()),
+        }
         if self.drafter.drafts_blocks:  # a block drafter (DFlash): block SFT
             return self._block_step(input_ids, features, target_probs, target_argmax, loss_mask)
         return eagle_ttt_losses(
@@ -513,6 +517,24 @@ class EagleSFT(Objective):
             steps=int(self.hparams.ttt_steps),
             decay=float(self.hparams.ttt_decay),
         )
+
+    def describe_nonfinite(self) -> str:
+        """Names what was non-finite in the last step: the target's features or labels (the
+        data: e.g. activations past fp16's range), or neither (the drafter diverged)."""
+        bad = [name for name, ok in getattr(self, "_finite_inputs", {}).items() if not ok]
+        if bad:
+            return (
+                f"the {' and '.join(bad)} of the last batch are non-finite: the target or the "
+                "data produced them (check the target dtype; float32 holds what fp16 cannot), "
+                "so a lower learning rate will not help"
+            )
+        if getattr(self, "_finite_inputs", None):
+            return (
+                "the target's features and labels were finite, so the drafter's own forward or "
+                "gradients diverged: lower the learning rate or the gradient clip, or use "
+                "bf16-mixed rather than fp16"
+            )
+        return super().describe_nonfinite()
 
     def _block_step(
         self,

@@ -324,18 +324,41 @@ def test_cached_last_hidden_must_match_the_features(tmp_path: Path) -> None:
     torch.testing.assert_close(back["r0"].float(), hidden["r0"], atol=2e-3, rtol=1e-3)
 
 
-def test_features_fp16_cannot_hold_are_refused_with_the_magnitude(tmp_path: Path) -> None:
-    """A target whose hidden states pass fp16's range (some families reach 1e5) must not fill
-    the store with inf: the write is refused, naming the value and what to do."""
+def test_features_past_fp16_range_round_trip_with_a_row_scale(tmp_path: Path) -> None:
+    """A target whose hidden states pass fp16's range (some families reach 1e5) is cached with
+    a per-row scale: values come back within fp16's relative precision, never inf; rows in range
+    are stored as plain fp16 (no scale tensor); non-finite values are refused, located."""
+    from safetensors.torch import load_file
+
     store = RolloutStore(tmp_path, CONFIG)
-    info = store.write_shard(_records(1))
+    info = store.write_shard(_records(2))
     config = {"target": "tiny"}
     large = torch.randn(3, 4)
     large[1, 2] = 1.2e5
-    with pytest.raises(ValueError, match=r"1\.2e\+05 \(column 2\).*feature_cache_bytes: 0"):
-        store.write_features(info.name, {"r0": large}, feature_config=config, cap_bytes=10**6)
+    large[1, 0] = 0.25  # a small value in the same row as the outlier
+    plain = torch.randn(2, 4)
+    assert store.write_features(
+        info.name, {"r0": large, "r1": plain}, feature_config=config, cap_bytes=10**6
+    )
+    back = store.read_features(info.name, feature_config=config)
+    assert torch.isfinite(back["r0"]).all()
+    torch.testing.assert_close(back["r0"], large, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(back["r1"].float(), plain, rtol=1e-3, atol=1e-3)
+    shard = store.feature_shards(config)[info.name]["name"]
+    stored = load_file(str(tmp_path / shard))
+    assert stored["features"].dtype == torch.float16 and stored["features_scale"].shape == (5,)
+    assert stored["features_scale"][[0, 2, 3, 4]].eq(1).all()  # only the outlier row is scaled
+
+    in_range = RolloutStore(tmp_path / "b", CONFIG)
+    shard_b = in_range.write_shard(_records(1)).name
+    assert in_range.write_features(shard_b, {"r0": plain}, feature_config=config, cap_bytes=10**6)
+    name = in_range.feature_shards(config)[shard_b]["name"]
+    assert "features_scale" not in load_file(str(tmp_path / "b" / name))
+
     nan = torch.randn(3, 4)
-    nan[0, 0] = float("nan")
-    with pytest.raises(ValueError, match="non-finite"):
-        store.write_features(info.name, {"r0": nan}, feature_config=config, cap_bytes=10**6)
-    assert store.feature_shards(config) == {}  # nothing was written
+    nan[2, 1] = float("nan")
+    other = RolloutStore(tmp_path / "c", CONFIG)
+    shard_c = other.write_shard(_records(1)).name
+    with pytest.raises(ValueError, match="non-finite.*token 2, column 1"):
+        other.write_features(shard_c, {"r0": nan}, feature_config=config, cap_bytes=10**6)
+    assert other.feature_shards(config) == {}  # nothing was written

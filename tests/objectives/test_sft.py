@@ -357,8 +357,14 @@ def test_nonfinite_steps_are_skipped_then_fatal(target: TargetModel) -> None:
         return module
 
     assert fit(limit=5)._nonfinite_total == 2
-    with pytest.raises(FloatingPointError, match="2 consecutive"):
+    with pytest.raises(FloatingPointError, match="2 consecutive.*target features of the last"):
         fit(limit=2)
+
+
+def test_nonfinite_message_says_when_the_inputs_were_finite(target: TargetModel) -> None:
+    module = EagleSFT.from_objects(target, _drafter(target), ttt_steps=2)
+    module._common_step(_batch())
+    assert "features and labels were finite" in module.describe_nonfinite()
 
 
 # ------------------------------------------------------------------------------- draft vocabulary
