@@ -719,40 +719,49 @@ class RolloutDataModule(pl.LightningDataModule):
         store = self.store("dataset")
         if self._is_complete(store):
             return
+        from lightning_spec.data.claims import claimed_batches
+
         done = store.done_ids()
         todo = [(o, c) for o, c in self._load_conversations() if c.id not in done]
-        buffer: list[RolloutRecord] = []
         failed = tokens = 0
         start = time.perf_counter()
         enabled = self.progress and bool(todo)
         with progress_bar("rendering", enabled=enabled, unit="tok/s") as bar:
             task = bar.add_task("conversations", total=len(todo), rate=0.0)
-            for order, conversation in todo:
-                try:
-                    rendered = render_conversation(
-                        self.tokenizer, conversation.messages, self.max_length
+            # claimed a shard at a time: a second process on the same store renders the rest
+            for chunk in claimed_batches(
+                store.claims, todo, lambda item: item[1].id, size=self.records_per_shard,
+                what=f"rendering {self.dataset}",
+            ):  # fmt: skip
+                buffer: list[RolloutRecord] = []
+                unusable: list[str] = []
+                for order, conversation in chunk:
+                    try:
+                        rendered = render_conversation(
+                            self.tokenizer, conversation.messages, self.max_length
+                        )
+                    except Exception as exc:  # a template may reject a conversation's shape
+                        failed += 1
+                        unusable.append(conversation.id)
+                        log.debug("cannot render %s: %s", conversation.id, exc)
+                        continue
+                    buffer.append(
+                        RolloutRecord(
+                            conversation.id,
+                            rendered.input_ids,
+                            rendered.loss_mask,
+                            "dataset",
+                            {**conversation.meta, "order": order},
+                        )
                     )
-                except Exception as exc:  # a template may reject a conversation's shape
-                    failed += 1
-                    log.debug("cannot render %s: %s", conversation.id, exc)
-                    continue
-                buffer.append(
-                    RolloutRecord(
-                        conversation.id,
-                        rendered.input_ids,
-                        rendered.loss_mask,
-                        "dataset",
-                        {**conversation.meta, "order": order},
-                    )
-                )
-                if len(buffer) >= self.records_per_shard:
+                    tokens += len(rendered)
+                if buffer:
                     store.write_shard(buffer)
-                    buffer = []
-                tokens += len(rendered)
+                if unusable:
+                    store.claims.finish(unusable)
                 rate = tokens / max(time.perf_counter() - start, 1e-9)
-                bar.update(task, advance=1, rate=rate)
-            if buffer:
-                store.write_shard(buffer)
+                bar.update(task, advance=len(chunk), rate=rate)
+        store.claims.release()
         if failed:
             log.warning("%s: %d conversations could not be rendered", self.dataset, failed)
         store.mark_complete(self._complete_key(), failed=failed)

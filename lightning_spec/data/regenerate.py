@@ -17,6 +17,7 @@ own shard names; any world size can resume any other's work since done ids are g
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.data.chat import render_prompt
+from lightning_spec.data.claims import claimed_batches
 from lightning_spec.data.rollouts import CACHED_FIELDS, RolloutRecord, RolloutStore, ShardInfo
 from lightning_spec.progress import progress_bar
 
@@ -222,16 +224,25 @@ def regenerate(
 
     def flush(count: int) -> None:
         info = store.write_shard(buffer[:count], rank=rank)
-        report.shards.append(info.name)
         del buffer[:count]
+        if info is None:  # another process listed these records first
+            return
+        report.shards.append(info.name)
         if on_shard is not None:
             on_shard(info)
+
+    def flush_all() -> None:
+        if buffer:
+            flush(len(buffer))
 
     start = time.perf_counter()
     with progress_bar("regenerating", enabled=progress, unit="tok/s") as bar:
         task = bar.add_task("prompts", total=len(pending), rate=0.0)
-        for lo in range(0, len(pending), batch_size):
-            batch = pending[lo : lo + batch_size]
+        # claimed a batch at a time: processes sharing the store split the prompts between them
+        for batch in claimed_batches(
+            store.claims, pending, lambda pair: pair[0].id, size=batch_size,
+            what="regenerating", before_wait=flush_all,
+        ):  # fmt: skip
             budget = settings.max_new_tokens
             if max_length is not None:
                 budget = min(budget, max_length - min(len(ids) for _, ids in batch))
@@ -268,8 +279,8 @@ def regenerate(
             bar.update(task, advance=len(batch), rate=report.tokens_per_second)
             while len(buffer) >= records_per_shard:
                 flush(records_per_shard)
-        if buffer:
-            flush(len(buffer))
+        flush_all()
+    store.claims.release()
     report.seconds = time.perf_counter() - start
     log.info(
         "regeneration (rank %d/%d): %d answers, %d new tokens in %.1f s (%.1f tok/s), "
@@ -337,12 +348,28 @@ def cache_features(
         missing = [r.truncated(max_length) for r in wanted if r.id not in have["features"]]
         if missing:
             plan.append((info, missing, have))
+    config_key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+
+    def claim_key(entry: tuple[Any, list[RolloutRecord], Any]) -> str:
+        """One claim per (feature config, shard, records to add): concurrent runs that want the
+        same features share it; a later run that selects more records gets a new one."""
+        ids = hashlib.sha256("\n".join(sorted(r.id for r in entry[1])).encode()).hexdigest()
+        return f"features:{config_key}:{entry[0].name}:{ids[:12]}"
+
     written = 0
     total_records = sum(len(entry[1]) for entry in plan)
+    full = False
     with progress_bar("caching features", enabled=progress, unit="tok/s") as bar:
         task = bar.add_task("conversations", total=total_records, rate=0.0)
         start, tokens = time.perf_counter(), 0
-        for info, records, have in plan:
+        # one feature shard at a time, claimed: processes sharing the store split the shards
+        for (entry,) in claimed_batches(
+            store.claims, plan, claim_key, size=1, what="caching features"
+        ):
+            info, records, have = entry
+            if full:  # the cap was reached: leave the rest (and let others stop waiting)
+                store.claims.finish([claim_key(entry)])
+                continue
             features = dict(have["features"])
             last_hidden = dict(have["last_hidden"])
             argmax = dict(have["target_argmax"])
@@ -367,19 +394,23 @@ def cache_features(
                     tokens += len(record)
                 rate = tokens / max(time.perf_counter() - start, 1e-9)
                 bar.update(task, advance=len(batch), rate=rate)
-            if not store.write_features(
+            stored = store.write_features(
                 info.name,
                 features,
                 feature_config=config,
                 cap_bytes=cap_bytes,
                 last_hidden=last_hidden,
                 target_argmax=argmax,
-            ):
-                break
+            )
+            store.claims.finish([claim_key(entry)])
+            if not stored:
+                full = True
+                continue
             written += sum(
                 int(f.numel()) * 2
                 for rid in features
                 if rid not in have["features"]
                 for f in (features[rid], last_hidden[rid])
             )
+    store.claims.release()
     return written

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_spec.data.claims import WorkClaims
 from lightning_spec.io import atomic_write, atomic_write_json, file_lock, remove_stale, sha256_file
 
 if TYPE_CHECKING:
@@ -499,6 +500,7 @@ class RolloutStore:
         self.shard_format = shard_format
         self.prefix = prefix
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.claims = WorkClaims(self.directory, self._locked)
         with self._locked():
             manifest = self._read_manifest()
             if manifest is None:
@@ -584,48 +586,66 @@ class RolloutStore:
         """Remove temp files a killed writer of ``rank`` left (never another rank's)."""
         remove_stale(self.directory, contains=f"-r{rank:03d}-")
 
-    def write_shard(self, records: Sequence[RolloutRecord], *, rank: int = 0) -> ShardInfo:
+    def write_shard(
+        self, records: Sequence[RolloutRecord], *, rank: int = 0
+    ) -> ShardInfo | None:
         """Write ``records`` as the next shard of ``rank`` and list it in the manifest.
 
         The shard is complete on disk (fsynced, renamed) before the manifest names it, so a
         kill at any point leaves either the old manifest or the new one, never a listed half.
+        Naming, writing and listing happen under the store lock, and the records' claims are
+        marked done in the same step (`data.claims`): two processes sharing a store never pick
+        one name, and records another writer has already listed are dropped (None when none is
+        left).
         """
         if not records:
             raise ValueError("refusing to write an empty shard")
         for record in records:
             if record.source not in SOURCES:
                 raise ValueError(f"record {record.id!r}: unknown source {record.source!r}")
-        data = encode_shard(records, self.shard_format)
         with self._locked():
-            listed = self.manifest()["shards"]
-        seq = 1 + max(
-            (
-                int(m["seq"])
-                for s in listed
-                if (m := _SHARD_RE.match(s["name"])) and int(m["rank"]) == rank
-            ),
-            default=0,
-        )
-        name = f"{self.prefix}-r{rank:03d}-{seq:06d}.{self.shard_format}"
-        self._clean_stale(rank)
-        with atomic_write(self.directory / name, "wb") as fh:
-            fh.write(data)
-        info = ShardInfo(
-            name=name,
-            records=len(records),
-            tokens=sum(len(r) for r in records),
-            loss_tokens=sum(r.num_loss_tokens for r in records),
-            bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-            rank=rank,
-        )
-
-        def add(manifest: dict[str, Any]) -> None:
-            if any(s["name"] == name for s in manifest["shards"]):
-                raise StoreError(f"{name} is already listed: two writers share rank {rank}")
+            manifest = self.manifest()
+            claims = self.claims.read()
+            fresh = [
+                r
+                for r in records
+                if not (claims.get(r.id, {}).get("done") and claims[r.id].get("by") != self.claims.owner)
+            ]
+            if len(fresh) < len(records):
+                log.info(
+                    "%s: %d records were already written by another process; not written again",
+                    self.directory,
+                    len(records) - len(fresh),
+                )
+            if not fresh:
+                return None
+            seq = 1 + max(
+                (
+                    int(m["seq"])
+                    for s in manifest["shards"]
+                    if (m := _SHARD_RE.match(s["name"])) and int(m["rank"]) == rank
+                ),
+                default=0,
+            )
+            name = f"{self.prefix}-r{rank:03d}-{seq:06d}.{self.shard_format}"
+            data = encode_shard(fresh, self.shard_format)
+            self._clean_stale(rank)
+            with atomic_write(self.directory / name, "wb") as fh:
+                fh.write(data)
+            info = ShardInfo(
+                name=name,
+                records=len(fresh),
+                tokens=sum(len(r) for r in fresh),
+                loss_tokens=sum(r.num_loss_tokens for r in fresh),
+                bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                rank=rank,
+            )
             manifest["shards"].append(info.to_dict())
-
-        self._update(add)
+            manifest["updated"] = _now()
+            atomic_write_json(self.directory / MANIFEST, manifest)
+            self.claims.mark_done(claims, [r.id for r in fresh])
+            self.claims.write(claims)
         return info
 
     def read_shard(self, shard: ShardInfo | str, *, verify: bool = True) -> list[RolloutRecord]:
