@@ -370,3 +370,48 @@ def test_fit_survives_the_server_dying_mid_fit(
     assert sorted(m.step for m in history) == [0, 1, 2]
     assert client.get_run(logger.run_id).info.status == "FINISHED"
     assert json.loads((run_dir / MIRROR_NAME).read_text().splitlines()[-1])["type"] == "relog"
+
+
+KILLED_SCRIPT = """
+import os, signal, sys
+from lightning_spec.tracking import make_mlflow_logger
+logger = make_mlflow_logger("killed", sys.argv[1])
+logger.log_metrics({"loss": 1.0}, step=0)
+print(logger.run_id, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no finalize: the run would stay RUNNING
+"""
+
+
+def test_a_killed_runs_mlflow_status_is_set_by_the_next_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process killed mid-run (SIGKILL) cannot close its MLflow run; the next logger session
+    in the same run folder finds it RUNNING with its process gone and marks it KILLED, without
+    touching its own run."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+
+    from lightning_spec.tracking import default_tracking_uri, make_mlflow_logger
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "runs" / "job"
+    done = subprocess.run([sys.executable, "-c", KILLED_SCRIPT, str(run_dir)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == -9, done.stderr[-2000:]
+    killed = done.stdout.strip().splitlines()[-1]
+    client = MlflowClient(tracking_uri=default_tracking_uri(run_dir))
+    assert client.get_run(killed).info.status == "RUNNING"
+    logger = make_mlflow_logger("killed", run_dir)
+    logger.log_metrics({"loss": 0.5}, step=0)
+    assert client.get_run(killed).info.status == "KILLED"
+    assert client.get_run(logger.run_id).info.status == "RUNNING"
+    logger.finalize("success")
+    assert client.get_run(logger.run_id).info.status == "FINISHED"
+    again = make_mlflow_logger("killed", run_dir)  # a third session: nothing left to mark
+    again.log_metrics({"loss": 0.1}, step=0)
+    again.finalize("success")
+    records = [json.loads(line) for line in (run_dir / "mlflow_mirror.jsonl").read_text().splitlines()]
+    marks = [r for r in records if r["type"] == "killed_run"]
+    assert [m["run_id"] for m in marks] == [killed]

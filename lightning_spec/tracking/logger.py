@@ -194,7 +194,8 @@ class RunMirror:
     (seconds since the epoch). Types: `start` (a logger session: tracking URI, experiment, run
     name, tags), `run` (the MLflow run it got), `params`, `metrics` (`step`, `timestamp` in ms,
     `metrics`), `artifact` (`local_path`, `artifact_path`, `dir`), `offline` (the store became
-    unreachable; `first_unsent_seq`), `end` (`status`), and `relog` (written by `lightning-spec
+    unreachable; `first_unsent_seq`), `end` (`status`), `killed_run` (an earlier session's run
+    this one found RUNNING with its process gone and marked KILLED), and `relog` (written by `lightning-spec
     relog`: which records went to which run). Each line is written and flushed (no fsync)
     before MLflow is called; the file is opened per write, so the logger stays picklable.
     """
@@ -434,8 +435,50 @@ class SpecMLFlowLogger(MLFlowLogger):
             return _OFFLINE_CLIENT
         if not self._run_recorded:
             self._run_recorded = True
+            earlier = self._earlier_sessions()
             self._record("run", run_id=self._run_id, experiment_id=self._experiment_id)
+            self._close_killed_runs(client, earlier)
         return client
+
+    def _earlier_sessions(self) -> list[list[dict[str, Any]]]:
+        """The mirror's records grouped by logging session (each opens with `start`), before
+        this one's; empty for a fresh run folder."""
+        if not self.mirror.path.is_file():
+            return []
+        records, _ = read_mirror(self.mirror.path)
+        sessions: list[list[dict[str, Any]]] = []
+        for record in records:
+            if record.get("type") == "start" or not sessions:
+                sessions.append([])
+            sessions[-1].append(record)
+        if self._session_started and sessions:
+            sessions.pop()  # this session's own records
+        return sessions
+
+    def _close_killed_runs(self, client: Any, sessions: list[list[dict[str, Any]]]) -> None:
+        """Mark KILLED the MLflow runs of earlier sessions in this folder that never ended and
+        whose process is gone (a SIGKILL, an OOM kill, a lost node): they would stay RUNNING
+        forever. Runs this session continues, and runs of live or remote processes, are left."""
+        recovered = {r.get("run_id") for s in sessions for r in s if r.get("type") == "killed_run"}
+        for session in sessions:
+            start = session[0]
+            runs = [r.get("run_id") for r in session if r.get("type") == "run" and r.get("run_id")]
+            ended = any(r.get("type") == "end" for r in session)
+            if not runs or ended or runs[-1] == self._run_id or runs[-1] in recovered:
+                continue
+            if start.get("host") != socket.gethostname() or _pid_alive(start.get("pid")):
+                continue
+            run_id = runs[-1]
+            try:
+                if client.get_run(run_id).info.status == "RUNNING":
+                    client.set_terminated(run_id, status="KILLED")
+                    log.warning(
+                        "MLflow run %s of this folder was left RUNNING by a killed process "
+                        "(pid %s): marked KILLED", run_id, start.get("pid"),
+                    )  # fmt: skip
+                self._record("killed_run", run_id=run_id, status="KILLED")
+            except Exception as exc:  # never fail a new run over an old one's status
+                log.warning("could not mark the killed run %s: %s", run_id, _short(exc))
 
     @property
     def name(self) -> str | None:
@@ -587,6 +630,16 @@ class SpecMLFlowLogger(MLFlowLogger):
         if not self._initialized:
             return
         self._guarded(seq, "finishing the run", super().finalize, status)
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError, ValueError, TypeError):
+        return True
+    return True
 
 
 def safe_log_artifact(
