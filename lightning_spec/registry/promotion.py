@@ -10,8 +10,13 @@ never mixes two runs. Otherwise the candidate gets the `challenger` alias. The f
 a model becomes champion. The decision and both figures are written as version tags and, when a
 run is known, as that run's metrics and params (`promotion/*`).
 
-Aliases are moved with plain registry calls: two promotions of one model running at the same
-time can race; run them one after the other.
+Two promotions of one model at the same time (a sweep finishing together) cannot both win:
+the alias is moved under a lock (`promotion_lock`: a file lock per tracking URI and model in the
+asset cache), and only if the champion is still the one the decision was made against; when
+another promotion moved it meanwhile, the decision is made again against the new champion
+(compare-and-set). The lock serialises promotions on one machine; processes on several machines
+sharing one server still re-check the champion right before moving it, which narrows the race
+to the moment between that read and the alias call but cannot close it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ __all__ = [
     "alias_version",
     "bench_measure",
     "promote",
+    "promotion_lock",
     "stored_tau",
 ]
 
@@ -216,9 +222,70 @@ def promote(
         raise ValueError(f"margin must be >= 0, got {margin}")
     uri = resolve_tracking_uri(tracking_uri)
     client = registry_client(uri)
+    for _ in range(MAX_DECISIONS):
+        champion = alias_version(client, model_name, CHAMPION)
+        decision = _decide(
+            client, model_name, candidate_version, champion, prompt_set=prompt_set,
+            temperature=temperature, tree=tree, margin=margin, max_new_tokens=max_new_tokens,
+            measure=measure, target=target, prompts=prompts, uri=uri,
+        )  # fmt: skip
+        with promotion_lock(uri, model_name):
+            now = alias_version(client, model_name, CHAMPION)
+            if _version_of(now) == _version_of(champion):
+                _apply(client, decision)
+                break
+        log.info(
+            "promotion of %s v%s: the champion moved from v%s to v%s while deciding; "
+            "deciding again against the new champion",
+            model_name, candidate_version, _version_of(champion), _version_of(now),
+        )  # fmt: skip
+    else:
+        raise RuntimeError(
+            f"promotion of {model_name} v{candidate_version}: the champion kept moving during "
+            f"{MAX_DECISIONS} decisions; try again"
+        )
+    _log_decision(client, decision, run_id)
+    log.info("promotion: %s", decision.summary())
+    return decision
+
+
+MAX_DECISIONS = 5
+
+
+def _version_of(version: Any) -> str | None:
+    return None if version is None else str(version.version)
+
+
+def promotion_lock(uri: str, model_name: str) -> Any:
+    """The inter-process lock promotions of `model_name` at `uri` move aliases under."""
+    import hashlib
+
+    from lightning_spec.data.assets import cache_root
+    from lightning_spec.io import file_lock
+
+    digest = hashlib.sha256(f"{uri}|{model_name}".encode()).hexdigest()[:16]
+    return file_lock(cache_root() / "locks" / f"promotion-{digest}.lock")
+
+
+def _decide(
+    client: Any,
+    model_name: str,
+    candidate_version: str | int,
+    champion: Any,
+    *,
+    prompt_set: str,
+    temperature: float,
+    tree: str,
+    margin: float,
+    max_new_tokens: int | None,
+    measure: Measure | None,
+    target: Any,
+    prompts: Sequence[Any] | None,
+    uri: str,
+) -> Decision:
+    """The promotion rule for `candidate_version` against `champion` (None: no champion)."""
     key = tau_key(prompt_set, temperature)
     candidate = client.get_model_version(model_name, str(candidate_version))
-    champion = alias_version(client, model_name, CHAMPION)
     common = {
         "model_name": model_name,
         "candidate_version": str(candidate.version),
@@ -288,9 +355,6 @@ def promote(
                 f"{champion_tau:.3f} + margin {margin:g}"
             ),
         )
-    _apply(client, decision)
-    _log_decision(client, decision, run_id)
-    log.info("promotion: %s", decision.summary())
     return decision
 
 

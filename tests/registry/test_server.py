@@ -161,3 +161,63 @@ def test_better_drafter_becomes_champion_on_a_real_server(
     for prompt in prompts:
         expected = autoregressive_generate(target, prompt, 12, stop_on_eos=False)
         assert decoder.generate(prompt, 12, stop_on_eos=False).tokens == expected
+
+
+RACE_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+from lightning_spec.registry import promotion
+
+uri, name, version, go = sys.argv[1:5]
+real = promotion._apply
+
+def slow(client, decision):  # decide, then take long enough to move the alias for a race
+    time.sleep(1.5)
+    real(client, decision)
+
+promotion._apply = slow
+while not Path(go).exists():
+    time.sleep(0.01)
+decision = promotion.promote(name, version, tracking_uri=uri, prompt_set="toy", tree="chain:3",
+                             max_new_tokens=12, measure=lambda d: {})
+print(json.dumps({"outcome": decision.outcome, "against": decision.champion_version}))
+"""
+
+
+def test_two_promotions_at_once_cannot_both_win(
+    server: str, folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two real processes promote a better and a best candidate at the same moment against the
+    same champion on a real server: the best ends up champion whichever moves first (the
+    second re-decides against the new champion under the promotion lock)."""
+    import json
+
+    name = "race-drafter"
+
+    def version(tau: float) -> str:
+        metadata = drafter_metadata(folders["random"], taus={("toy", 0): tau}, tree="chain:3",
+                                    max_new_tokens=12, objective="none")  # fmt: skip
+        return str(register_drafter(folders["random"], name, tracking_uri=server,
+                                    metadata=metadata).version)  # fmt: skip
+
+    champion = version(1.5)
+    assert promote(name, champion, tracking_uri=server, **CONDITIONS).promoted
+    better, best = version(2.0), version(2.5)
+    go = tmp_path / "go"
+    env = {**os.environ, "LIGHTNING_SPEC_CACHE": str(tmp_path / "cache")}
+    workers = [
+        subprocess.Popen([sys.executable, "-c", RACE_SCRIPT, server, name, v, str(go)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for v in (better, best)
+    ]  # fmt: skip
+    time.sleep(2.0)  # both imported and waiting
+    go.write_text("go")
+    results = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=180)
+        assert worker.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    aliases = {k: str(v) for k, v in registry_client(server).get_registered_model(name).aliases.items()}
+    assert aliases["champion"] == best
+    against = {r["against"] for r in results}
+    assert champion in against and len(against) == 2  # the later one decided again
