@@ -56,3 +56,22 @@ def build_draft_vocab(
 def draft_to_target_ids(d2t: Tensor) -> Tensor:
     """Target ids of every draft id: `d + d2t[d]`."""
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def draft_to_target_logprobs(logprobs: Tensor, d2t: Tensor, target_vocab_size: int) -> Tensor:
+    """Draft-vocabulary log-probs [..., V_draft] -> target vocabulary [..., V] (-inf where the
+    draft vocabulary has no token); the identity when the vocabularies are the same."""
+    if d2t.numel() == target_vocab_size:
+        return logprobs
+    out = logprobs.new_full((*logprobs.shape[:-1], target_vocab_size), float("-inf"))
+    out[..., draft_to_target_ids(d2t)] = logprobs
+    return out
+
+
+def target_to_draft(target_ids: Tensor, d2t: Tensor, target_vocab_size: int) -> Tensor:
+    """Target ids -> draft ids (-1 where the draft vocabulary lacks the token)."""
+    if d2t.numel() == target_vocab_size:
+        return target_ids
+    lookup = torch.full((target_vocab_size,), -1, dtype=torch.long, device=target_ids.device)
+    lookup[draft_to_target_ids(d2t)] = torch.arange(d2t.numel(), device=target_ids.device)
+    return lookup[target_ids]

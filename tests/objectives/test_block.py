@@ -49,6 +49,19 @@ def _dflash(target: TargetModel, block_size: int = 4) -> DFlashDrafter:
     )  # fmt: skip
 
 
+def _two_steps(module: object, batch: dict, root: Path, callbacks: list | None = None) -> Trainer:
+    """Two optimizer steps of `module` on `batch` in a real Lightning Trainer (validation only
+    with callbacks, which read it)."""
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=2, max_epochs=1, log_every_n_steps=1,
+        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=str(root), logger=False,
+        callbacks=callbacks or [], limit_val_batches=None if callbacks else 0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=HELPERS.TinyData(batch))
+    return trainer
+
+
 # ------------------------------------------------------------------------------ pure losses
 def test_slot_decay_by_hand() -> None:
     weights = losses.block_slot_decay(slots=3, gamma=2.0)
@@ -134,14 +147,8 @@ def test_dflash_sft_two_steps_in_lightning(target: TargetModel, tmp_path: Path) 
         anchors_per_sequence=6, block_weighting="acceptance",
     )  # fmt: skip
     before = module.drafter.fc.weight.clone()
-    trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=2, max_epochs=1, log_every_n_steps=1,
-        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=str(tmp_path), logger=False,
-        callbacks=[AcceptanceEval(num_prompts=2, max_new_tokens=8, tree="chain:3"),
-                   DrafterCheckpoint()],
-    )  # fmt: skip
-    trainer.fit(module, datamodule=HELPERS.TinyData(HELPERS._batch()))
+    callbacks = [AcceptanceEval(num_prompts=2, max_new_tokens=8, tree="chain:3"), DrafterCheckpoint()]
+    trainer = _two_steps(module, HELPERS._batch(), tmp_path, callbacks=callbacks)
     assert trainer.global_step == 2
     assert not torch.equal(module.drafter.fc.weight, before)
     metrics = trainer.logged_metrics
@@ -174,13 +181,7 @@ def test_gto_with_a_dflash_student_two_steps(target: TargetModel, tmp_path: Path
         warmup_steps=1, max_steps_for_schedule=10, prepack_target=False,
     )  # fmt: skip
     before = module.drafter.fc.weight.clone()
-    trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=2, max_epochs=1, log_every_n_steps=1,
-        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=str(tmp_path), logger=False,
-        limit_val_batches=0,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=HELPERS.TinyData(HELPERS._batch(length=40)))
+    trainer = _two_steps(module, HELPERS._batch(length=40), tmp_path)
     assert trainer.global_step == 2
     assert not torch.equal(module.drafter.fc.weight, before)
     assert module.reference._target is module.drafter._target  # shared, not copied
@@ -209,13 +210,7 @@ def test_draft_opd_with_a_dflash_student_two_steps(target: TargetModel, tmp_path
     batch = {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
     batch.update(collate_steps([{"steps": g.records} for g in generations]))
     before = module.drafter.fc.weight.clone()
-    trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=2, max_epochs=1, log_every_n_steps=1,
-        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=str(tmp_path), logger=False,
-        limit_val_batches=0,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=HELPERS.TinyData(batch))
+    trainer = _two_steps(module, batch, tmp_path)
     assert trainer.global_step == 2
     assert not torch.equal(module.drafter.fc.weight, before)
     assert torch.isfinite(trainer.logged_metrics["train/loss"])

@@ -51,7 +51,12 @@ from lightning_spec.models.drafters.layers import (
 )
 from lightning_spec.models.fingerprint import cached_target_fingerprint
 from lightning_spec.models.logits import tempered_log_softmax
-from lightning_spec.models.vocab import build_draft_vocab, draft_to_target_ids
+from lightning_spec.models.vocab import (
+    build_draft_vocab,
+    draft_to_target_ids,
+    draft_to_target_logprobs,
+    target_to_draft,
+)
 
 __all__ = ["BlockProposer", "DFlashDrafter", "DFlashState"]
 
@@ -399,22 +404,10 @@ class DFlashDrafter(Drafter):
 
     # ------------------------------------------------------------------ vocabulary
     def to_target(self, logprobs: Tensor) -> Tensor:
-        if self.draft_vocab_size == self.target_vocab_size:
-            return logprobs
-        out = logprobs.new_full((*logprobs.shape[:-1], self.target_vocab_size), float("-inf"))
-        out[..., draft_to_target_ids(self.d2t)] = logprobs
-        return out
+        return draft_to_target_logprobs(logprobs, self.d2t, self.target_vocab_size)
 
     def target_to_draft_ids(self, target_ids: Tensor) -> Tensor:
-        if self.draft_vocab_size == self.target_vocab_size:
-            return target_ids
-        lookup = torch.full(
-            (self.target_vocab_size,), -1, dtype=torch.long, device=target_ids.device
-        )
-        lookup[draft_to_target_ids(self.d2t)] = torch.arange(
-            self.draft_vocab_size, device=target_ids.device
-        )
-        return lookup[target_ids]
+        return target_to_draft(target_ids, self.d2t, self.target_vocab_size)
 
     # ------------------------------------------------------------------ persistence
     def export_config(self) -> dict[str, Any]:

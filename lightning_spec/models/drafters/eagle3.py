@@ -20,7 +20,12 @@ from torch import Tensor, nn
 from lightning_spec.models.drafters.base import Drafter, DrafterOutput, register_drafter
 from lightning_spec.models.drafters.layers import CachedAttention, GatedMLP, RMSNorm
 from lightning_spec.models.fingerprint import cached_target_fingerprint
-from lightning_spec.models.vocab import build_draft_vocab, draft_to_target_ids
+from lightning_spec.models.vocab import (
+    build_draft_vocab,
+    draft_to_target_ids,
+    draft_to_target_logprobs,
+    target_to_draft,
+)
 
 
 @dataclass
@@ -258,22 +263,10 @@ class Eagle3Drafter(Drafter):
         return int(self.config["draft_vocab_size"])
 
     def to_target(self, logprobs: Tensor) -> Tensor:
-        if self.draft_vocab_size == self.target_vocab_size:
-            return logprobs
-        out = logprobs.new_full((*logprobs.shape[:-1], self.target_vocab_size), float("-inf"))
-        out[..., draft_to_target_ids(self.d2t)] = logprobs
-        return out
+        return draft_to_target_logprobs(logprobs, self.d2t, self.target_vocab_size)
 
     def target_to_draft_ids(self, target_ids: Tensor) -> Tensor:
-        if self.draft_vocab_size == self.target_vocab_size:
-            return target_ids
-        lookup = torch.full(
-            (self.target_vocab_size,), -1, dtype=torch.long, device=target_ids.device
-        )
-        lookup[draft_to_target_ids(self.d2t)] = torch.arange(
-            self.draft_vocab_size, device=target_ids.device
-        )
-        return lookup[target_ids]
+        return target_to_draft(target_ids, self.d2t, self.target_vocab_size)
 
     # ------------------------------------------------------------------ persistence
     def export_config(self) -> dict[str, Any]:
