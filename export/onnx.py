@@ -134,14 +134,17 @@ class DrafterStepGraph(nn.Module):
 
 
 class FeatureProjection(nn.Module):
-    """EAGLE-3's `fc`: fused target features [B, T, F] -> drafter hidden [B, T, H]."""
+    """EAGLE-3's `fc` (after its per-layer feature norms, EAGLE-3.1): fused target features
+    [B, T, F] -> drafter hidden [B, T, H]."""
 
     def __init__(self, drafter: Eagle3Drafter) -> None:
         super().__init__()
         self.fc = drafter.fc
+        self.feature_norms = drafter.feature_norms
+        self.drafter_fuse = drafter.fuse
 
     def forward(self, features: Tensor) -> Tensor:
-        return self.fc(features)
+        return self.drafter_fuse(features)
 
 
 def export_ready(drafter: Eagle3Drafter) -> Eagle3Drafter:

@@ -143,7 +143,7 @@ def step_parity(
         }
         features = torch.randn(batch, tokens, model.fc.in_features, generator=generator)
         (fc_out,) = fc_session.run(None, {"features": _numpy(features)})
-        compared["fc_hidden"] = _compare(model.fc(features), fc_out)
+        compared["fc_hidden"] = _compare(model.fuse(features), fc_out)
         diffs = {name: diff for name, (diff, _) in compared.items()}
         scale = max(scale, *(ref_scale for _, ref_scale in compared.values()))
         hits, count = _argmax_agreement(reference[0], outputs[0])

@@ -337,6 +337,7 @@ class EagleSFT(Objective):
         block_weighting: str = "decay",
         block_gamma: float | None = None,
         seed: int = 0,
+        feature_norm: bool = False,
     ) -> None:
         """
         Args:
@@ -377,6 +378,8 @@ class EagleSFT(Objective):
             block_gamma: The decay constant of ``decay`` (None: 7, 5, 4 for blocks of 16, 10,
                 8, else B / 2).
             seed: Seed of the anchor choice.
+            feature_norm: A fresh EAGLE-3 or Hydra drafter normalises each target layer's
+                hidden state before the fusion layer (the EAGLE-3.1 variant).
         """
         if drafter_type not in ("eagle3", "hydra", "dflash"):
             raise ValueError(
@@ -448,12 +451,14 @@ class EagleSFT(Objective):
                 draft_vocab_size=draft_vocab,
                 token_counts=counts,
                 intermediate_size=hp.intermediate_size,
+                feature_norm=bool(hp.get("feature_norm", False)),
             )
         return Eagle3Drafter.from_target(
             target,
             draft_vocab_size=draft_vocab,
             token_counts=counts,
             intermediate_size=hp.intermediate_size,
+            feature_norm=bool(hp.get("feature_norm", False)),
         )
 
     # ---------------------------------------------------------------------------- steps

@@ -16,6 +16,7 @@ import torch
 
 from lightning_spec.export import parity
 from lightning_spec.export.onnx import (
+    FC_FILE,
     STEP_DERIVED_DIMS,
     STEP_FILE,
     STEP_INPUTS,
@@ -264,3 +265,23 @@ def test_smollm2_drafter_onnx_decode_equals_pytorch(tmp_path: Path) -> None:
     assert result["tokens_equal"], result["runs"]
     assert result["trees_equal"] and result["accept_lengths_equal"], result["runs"]
     assert np.mean([run["new_tokens"] for run in result["runs"]]) == 32
+
+
+def test_eagle31_feature_norms_are_exported(tmp_path: Path) -> None:
+    """An EAGLE-3.1 drafter (per-layer feature norms before `fc`): the feature graph carries
+    the norms, and onnxruntime matches PyTorch on fused features of very different scales."""
+    target = TargetModel.from_config(tiny_config("llama", num_layers=4), seed=5)
+    drafter = Eagle3Drafter.from_target(target, feature_norm=True, seed=1)
+    with torch.no_grad():
+        for norm in drafter.feature_norms:
+            norm.weight.uniform_(0.5, 1.5)
+    export_drafter(drafter, tmp_path)
+    result = parity.step_parity(drafter, tmp_path, cases=[(1, 1, 0), (2, 3, 4)])
+    assert result["max_abs_diff"] < TOL, result
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(tmp_path / FC_FILE), providers=["CPUExecutionProvider"])
+    features = torch.randn(1, 4, drafter.fc.in_features)
+    features[..., : target.hidden_size] *= 1e3
+    (out,) = session.run(None, {"features": features.numpy()})
+    torch.testing.assert_close(torch.from_numpy(out), drafter.fuse(features).detach(), atol=1e-4, rtol=1e-4)

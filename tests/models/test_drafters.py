@@ -117,3 +117,28 @@ def test_load_errors(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"drafter_type": "nope"}))
     with pytest.raises(ValueError, match="unknown drafter_type"):
         load_drafter(tmp_path)
+
+
+def test_eagle31_feature_norms_make_each_layer_scale_free_and_round_trip(tmp_path) -> None:
+    """With `feature_norm` each target layer's part of the fused features is normalised before
+    `fc`: scaling one layer by 1e4 (activation outliers) changes nothing; the option survives
+    a save and a reload; the plain EAGLE-3 head has no norms."""
+    from lightning_spec.models.drafters.base import load_drafter
+    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+    from lightning_spec.models.target import TargetModel
+    from lightning_spec.models.tiny import tiny_config
+
+    target = TargetModel.from_config(tiny_config("llama", num_layers=4), seed=0)
+    drafter = Eagle3Drafter.from_target(target, feature_norm=True)
+    assert Eagle3Drafter.from_target(target).feature_norms is None
+    features = torch.randn(1, 5, target.feature_size)
+    scaled = features.clone()
+    width = target.hidden_size
+    scaled[..., width : 2 * width] *= 1e4
+    torch.testing.assert_close(drafter.fuse(scaled), drafter.fuse(features), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        drafter.feature_norms[1].weight.mul_(2.0)
+    folder = drafter.save_pretrained(tmp_path / "d")
+    loaded = load_drafter(folder)
+    assert loaded.config["feature_norm"] is True
+    torch.testing.assert_close(loaded.fuse(features), drafter.fuse(features))

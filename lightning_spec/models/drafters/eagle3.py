@@ -147,6 +147,16 @@ class Eagle3Drafter(Drafter):
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.embed_tokens.weight.requires_grad_(False)  # shared with the target, frozen
         self.fc = nn.Linear(num_features * int(config["target_hidden_size"]), hidden, bias=False)
+        # EAGLE-3.1: each target layer's hidden state normalised before the fusion layer, so
+        # the scales of low, middle and high layers (up to 1e5 on some families) meet evenly
+        self.feature_norms = (
+            nn.ModuleList(
+                RMSNorm(int(config["target_hidden_size"]), float(config.get("rms_norm_eps", 1e-6)))
+                for _ in range(num_features)
+            )
+            if config.get("feature_norm")
+            else None
+        )
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(hidden, float(config.get("rms_norm_eps", 1e-6)))
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
@@ -170,8 +180,10 @@ class Eagle3Drafter(Drafter):
         num_attention_heads: int | None = None,
         num_key_value_heads: int | None = None,
         seed: int = 0,
+        feature_norm: bool = False,
     ) -> Eagle3Drafter:
         """A fresh head sized like `target` (a TargetModel); embeddings copied from it.
+        `feature_norm` gives the EAGLE-3.1 variant (per-layer norms before ``fc``).
 
         With `token_counts` the draft vocabulary keeps the most frequent ids (EOS always); the
         LM head starts from the target's own output rows for those ids, which gives an untrained
@@ -202,6 +214,7 @@ class Eagle3Drafter(Drafter):
             "target_model": target.name,
             "max_position_embeddings": int(getattr(text_config, "max_position_embeddings", 4096)),
             "target_fingerprint": cached_target_fingerprint(target),
+            "feature_norm": bool(feature_norm),
         }
         torch.manual_seed(seed)
         drafter = cls(config)
@@ -251,11 +264,20 @@ class Eagle3Drafter(Drafter):
                     f"features have width {features.shape[-1]}, this drafter expects {expected} "
                     f"(target layers {self.config['target_layer_ids']}): wrong target?"
                 )
-            hidden = self.fc(features.to(self.fc.weight.dtype))
+            hidden = self.fuse(features)
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)
         out_hidden = self.midlayer(embeds, hidden, position_ids, state, mask)
         logits = self.lm_head(self.norm(out_hidden))
         return DrafterOutput(logits=logits, hidden=out_hidden)
+
+    def fuse(self, features: Tensor) -> Tensor:
+        """Fused target features [..., K * H_target] -> drafter hidden [..., H]: ``fc``, after
+        a per-layer RMSNorm of each layer's part when the drafter has ``feature_norm``."""
+        features = features.to(self.fc.weight.dtype)
+        if self.feature_norms is not None:
+            parts = features.split(int(self.config["target_hidden_size"]), dim=-1)
+            features = torch.cat([norm(x) for norm, x in zip(self.feature_norms, parts, strict=True)], -1)
+        return self.fc(features)
 
     # ------------------------------------------------------------------ vocabulary
     @property
@@ -311,6 +333,7 @@ class Eagle3Drafter(Drafter):
             "max_position_embeddings",
             "target_fingerprint",
             "training",
+            "feature_norm",
         }
         return cls({k: v for k, v in config.items() if k in keep})
 

@@ -116,7 +116,7 @@ class HydraDrafter(Eagle3Drafter):
                     f"features have width {features.shape[-1]}, this drafter expects "
                     f"{self.fc.in_features} (target layers {self.config['target_layer_ids']})"
                 )
-            hidden = self.fc(features.to(self.fc.weight.dtype))
+            hidden = self.fuse(features)
         assert hidden is not None
         return self.embed_tokens(input_ids).to(hidden.dtype), hidden
 
