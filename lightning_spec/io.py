@@ -297,14 +297,25 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+class LockTimeout(TimeoutError):
+    """A `file_lock` could not be taken in time; the message names the holder."""
+
+
 @contextlib.contextmanager
-def file_lock(path: str | Path) -> Iterator[None]:
+def file_lock(path: str | Path, *, timeout: float | None = None) -> Iterator[None]:
     """Exclusive inter-process lock on the file ``path`` (created with its parent folders).
 
     ``fcntl.flock``: released when the holder exits or dies, so a killed job never leaves a
-    stale lock. Not re-entrant (a second ``file_lock`` on the same path in the same process
-    waits for the first). Best effort (no lock) where ``fcntl`` does not exist.
+    stale lock. The holder writes its pid, host, command and start time into the file, so a
+    waiter that gives up after `timeout` seconds (None: wait forever) raises `LockTimeout`
+    naming who holds it (a hung job, another user's run). Not re-entrant (a second
+    ``file_lock`` on the same path in the same process waits for the first). Best effort (no
+    lock) where ``fcntl`` does not exist.
     """
+    import socket
+    import sys
+    import time
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -313,8 +324,42 @@ def file_lock(path: str | Path) -> Iterator[None]:
         yield
         return
     with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        if timeout is None:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        else:
+            start = time.monotonic()
+            while True:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() - start >= timeout:
+                        raise LockTimeout(
+                            f"{path} is still locked after {timeout:g} s by {_lock_holder(path)}; "
+                            "if that process is hung, stop it (the lock goes with it)"
+                        ) from None
+                    time.sleep(0.05)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                      "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:200]}  # fmt: skip
+            handle.write(json.dumps(holder))
+            handle.flush()
+        except OSError:  # the holder note is a courtesy; the lock is what matters
+            pass
         try:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _lock_holder(path: Path) -> str:
+    """Who holds the lock at `path`, from the note its holder wrote."""
+    try:
+        note = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        note = {}
+    if not note:
+        return "an unknown process"
+    return f"pid {note.get('pid')} on {note.get('host')} since {note.get('since')} ({note.get('command')})"

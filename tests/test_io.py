@@ -210,3 +210,32 @@ def test_file_lock_excludes_a_second_process(tmp_path: Path) -> None:
     assert entered <= released + 60
     with io.file_lock(lock):  # free again for this process
         pass
+
+
+def test_a_lock_wait_that_times_out_names_the_holder(tmp_path: Path) -> None:
+    """A process holding a lock writes who it is; a waiter that gives up says so (pid, host,
+    command), and the lock is free again once the holder is gone."""
+    import subprocess
+    import sys
+
+    from lightning_spec.io import LockTimeout, file_lock
+
+    lock = tmp_path / "store" / ".lock"
+    script = (
+        "import sys, time\n"
+        "from lightning_spec.io import file_lock\n"
+        f"with file_lock({str(lock)!r}):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockTimeout, match=rf"after 0.3 s by pid {holder.pid} on "):
+            with file_lock(lock, timeout=0.3):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with file_lock(lock, timeout=5):  # released with its holder
+        pass

@@ -55,6 +55,8 @@ CACHED_FIELDS = ("features", "last_hidden", "target_argmax")
 FORMAT_VERSION = 2
 """2: StepRecord v2 (bonus_committed, drafter_version; sparse target rows in a sidecar)."""
 MANIFEST = "manifest.json"
+STORE_LOCK_TIMEOUT = 600.0
+"""Seconds a store operation waits for the store lock before naming its holder."""
 SHARD_FORMATS = ("jsonl", "jsonl.gz", "safetensors")
 SOURCES = ("dataset", "regenerated", "rollout")
 _SHARD_RE = re.compile(r"^(?P<prefix>[A-Za-z0-9_]+)-r(?P<rank>\d+)-(?P<seq>\d+)\.")
@@ -562,8 +564,11 @@ class RolloutStore:
         return manifest
 
     def _locked(self) -> contextlib.AbstractContextManager[None]:
-        """Exclusive inter-process lock for read-modify-write of the manifest (``.lock``)."""
-        return file_lock(self.directory / ".lock")
+        """Exclusive inter-process lock for read-modify-write of the manifest (``.lock``).
+
+        Held for milliseconds (a manifest update, one shard write), so a wait of
+        `STORE_LOCK_TIMEOUT` means a hung holder: the error names it."""
+        return file_lock(self.directory / ".lock", timeout=STORE_LOCK_TIMEOUT)
 
     def _update(self, change: Any) -> dict[str, Any]:
         """Apply ``change(manifest)`` under the lock and rewrite the manifest atomically."""
