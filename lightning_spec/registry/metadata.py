@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from lightning_spec.models.layer_ids import feature_layers_of
+
 __all__ = [
     "TAU_PREFIX",
     "drafter_metadata",
@@ -98,9 +100,7 @@ def drafter_metadata(
     drafter_type = config.get("drafter_type")
     if drafter_type is None and "LlamaForCausalLMEagle3" in config.get("architectures", []):
         drafter_type = "eagle3"
-    layers = config.get("target_layer_ids")
-    if layers is None:
-        layers = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = feature_layers_of(config)  # in our numbering, whichever keys the folder has
     target_vocab = config.get("target_vocab_size", config.get("vocab_size"))
     metadata: dict[str, Any] = {
         "drafter_type": drafter_type,

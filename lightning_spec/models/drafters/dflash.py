@@ -50,6 +50,7 @@ from lightning_spec.models.drafters.layers import (
     rotary,
 )
 from lightning_spec.models.fingerprint import cached_target_fingerprint
+from lightning_spec.models.layer_ids import FEATURE_LAYERS_KEY, engine_layer_keys
 from lightning_spec.models.logits import tempered_log_softmax
 from lightning_spec.models.vocab import (
     build_draft_vocab,
@@ -421,6 +422,9 @@ class DFlashDrafter(Drafter):
                 "num_hidden_layers": int(self.config["num_layers"]),
                 "hidden_act": "silu",
                 "tie_word_embeddings": False,
+                "torch_dtype": str(self.fc.weight.dtype).replace("torch.", ""),
+                **{k: v for k, v in engine_layer_keys(self.config["target_layer_ids"]).items()
+                   if k in (FEATURE_LAYERS_KEY, "target_layer_ids")},  # fmt: skip
                 "dflash_config": {
                     "block_size": self.block_size,
                     "target_layer_ids": [int(i) - 1 for i in self.config["target_layer_ids"]],
@@ -437,7 +441,9 @@ class DFlashDrafter(Drafter):
         config = dict(config)
         config.setdefault("target_vocab_size", config.get("vocab_size"))
         dflash = config.get("dflash_config") or {}
-        if "target_layer_ids" not in config and "target_layer_ids" in dflash:
+        if FEATURE_LAYERS_KEY in config:
+            config["target_layer_ids"] = [int(i) for i in config[FEATURE_LAYERS_KEY]]
+        elif "target_layer_ids" in dflash:  # the reference layout: decoder-layer numbering
             config["target_layer_ids"] = [int(i) + 1 for i in dflash["target_layer_ids"]]
         config.setdefault("block_size", dflash.get("block_size", 8))
         config.setdefault("num_layers", config.get("num_hidden_layers", 1))

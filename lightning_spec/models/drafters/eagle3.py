@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from lightning_spec.models.drafters.base import Drafter, DrafterOutput, register_drafter
 from lightning_spec.models.drafters.layers import CachedAttention, GatedMLP, RMSNorm
 from lightning_spec.models.fingerprint import cached_target_fingerprint
+from lightning_spec.models.layer_ids import engine_layer_keys, feature_layers_of
 from lightning_spec.models.vocab import (
     build_draft_vocab,
     draft_to_target_ids,
@@ -302,10 +303,9 @@ class Eagle3Drafter(Drafter):
                 "num_hidden_layers": 1,
                 "hidden_act": "silu",
                 "tie_word_embeddings": False,
-                "eagle_config": {
-                    "eagle_aux_hidden_state_layer_ids": list(self.config["target_layer_ids"]),
-                    "use_aux_hidden_state": True,
-                },
+                "torch_dtype": str(self.fc.weight.dtype).replace("torch.", ""),
+                # the trained feature layers, in each engine's numbering (layer_ids.py)
+                **engine_layer_keys(self.config["target_layer_ids"]),
             }
         )
         return config
@@ -314,9 +314,9 @@ class Eagle3Drafter(Drafter):
     def from_config_dict(cls, config: dict[str, Any]) -> Eagle3Drafter:
         config = dict(config)
         config.setdefault("target_vocab_size", config.get("vocab_size"))
-        eagle = config.get("eagle_config") or {}
-        if "target_layer_ids" not in config and "eagle_aux_hidden_state_layer_ids" in eagle:
-            config["target_layer_ids"] = eagle["eagle_aux_hidden_state_layer_ids"]
+        layers = feature_layers_of(config)
+        if layers is not None:
+            config["target_layer_ids"] = layers
         keep = {
             "hidden_size",
             "intermediate_size",
