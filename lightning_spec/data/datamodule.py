@@ -48,7 +48,12 @@ from torch import Tensor
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from lightning_spec.data.on_policy import OnPolicyBuffer, OnPolicyTable, collate_steps
-from lightning_spec.data.rollouts import RolloutRecord, RolloutStore, tokenizer_fingerprint
+from lightning_spec.data.rollouts import (
+    RolloutRecord,
+    RolloutStore,
+    StoreError,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -827,6 +832,10 @@ class RolloutDataModule(pl.LightningDataModule):
         all ranks in :meth:`setup` instead (rank r takes prompts i % world_size == r).
         """
         _, world_size = self._world()
+        for kind in self._kinds():  # damaged files set aside, so only their contents are redone
+            report = self.store(kind).repair()
+            if report["shards"] or report["features"]:
+                log.warning("%s store repaired: %s", kind, report)
         if "dataset" in self._kinds():
             self._render_dataset()
         if "regenerated" in self._kinds() and world_size == 1:
@@ -875,11 +884,24 @@ class RolloutDataModule(pl.LightningDataModule):
         for info in store.shards():
             features, last_hidden, argmax = {}, {}, {}
             if config is not None:
-                cached = store.read_cached(info.name, feature_config=config)
+                try:
+                    cached = store.read_cached(info.name, feature_config=config)
+                except StoreError as error:  # derived data: drop it, compute it online
+                    store.drop_feature_shard(info.name, str(error))
+                    cached = {"features": {}, "last_hidden": {}, "target_argmax": {}}
                 features = cached["features"]
                 last_hidden = cached["last_hidden"]
                 argmax = cached["target_argmax"]
-            for record in store.read_shard(info):
+            try:
+                records = store.read_shard(info)
+            except StoreError as error:
+                ids = store.quarantine_shard(info.name, str(error))
+                raise StoreError(
+                    f"{kind} shard {info.name} was damaged after preparation and is set aside "
+                    f"({len(ids) if ids else info.records} records); run again: only those "
+                    "records are made again"
+                ) from error
+            for record in records:
                 if not self._selected(record):
                     continue
                 record = record.truncated(self.max_length)

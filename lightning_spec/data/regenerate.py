@@ -29,7 +29,13 @@ from torch import Tensor
 
 from lightning_spec.data.chat import render_prompt
 from lightning_spec.data.claims import claimed_batches
-from lightning_spec.data.rollouts import CACHED_FIELDS, RolloutRecord, RolloutStore, ShardInfo
+from lightning_spec.data.rollouts import (
+    CACHED_FIELDS,
+    RolloutRecord,
+    RolloutStore,
+    ShardInfo,
+    StoreError,
+)
 from lightning_spec.progress import progress_bar
 
 log = logging.getLogger(__name__)
@@ -341,10 +347,12 @@ def cache_features(
     plan: list[tuple[Any, list[RolloutRecord], dict[str, dict[str, Tensor]]]] = []
     for info in store.shards():
         wanted = [r for r in store.read_shard(info) if select is None or select(r)]
+        have = {key: {} for key in CACHED_FIELDS}
         if info.name in cached:
-            have = store.read_cached(info.name, feature_config=config)
-        else:
-            have = {key: {} for key in CACHED_FIELDS}
+            try:
+                have = store.read_cached(info.name, feature_config=config)
+            except StoreError as error:  # a damaged feature shard: recompute only it
+                store.drop_feature_shard(info.name, str(error))
         missing = [r.truncated(max_length) for r in wanted if r.id not in have["features"]]
         if missing:
             plan.append((info, missing, have))

@@ -55,6 +55,7 @@ CACHED_FIELDS = ("features", "last_hidden", "target_argmax")
 FORMAT_VERSION = 2
 """2: StepRecord v2 (bonus_committed, drafter_version; sparse target rows in a sidecar)."""
 MANIFEST = "manifest.json"
+QUARANTINE = "quarantine"
 STORE_LOCK_TIMEOUT = 600.0
 """Seconds a store operation waits for the store lock before naming its holder."""
 SHARD_FORMATS = ("jsonl", "jsonl.gz", "safetensors")
@@ -442,13 +443,16 @@ class ShardInfo:
     bytes: int
     sha256: str
     rank: int = 0
+    ids: tuple[str, ...] | None = None
+    """The record ids of the shard (listed since format 2.1), so a shard that is lost can be
+    reported by record and only its records made again."""
 
     @property
     def format(self) -> str:
         return _shard_format(self.name)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "name": self.name,
             "records": self.records,
             "tokens": self.tokens,
@@ -457,6 +461,9 @@ class ShardInfo:
             "sha256": self.sha256,
             "rank": self.rank,
         }
+        if self.ids is not None:
+            data["ids"] = list(self.ids)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ShardInfo:
@@ -468,6 +475,7 @@ class ShardInfo:
             bytes=int(data["bytes"]),
             sha256=str(data["sha256"]),
             rank=int(data.get("rank", 0)),
+            ids=tuple(data["ids"]) if data.get("ids") is not None else None,
         )
 
 
@@ -645,6 +653,7 @@ class RolloutStore:
                 bytes=len(data),
                 sha256=hashlib.sha256(data).hexdigest(),
                 rank=rank,
+                ids=tuple(r.id for r in fresh),
             )
             manifest["shards"].append(info.to_dict())
             manifest["updated"] = _now()
@@ -685,6 +694,103 @@ class RolloutStore:
     def done_ids(self) -> set[str]:
         """Ids of the records already stored (what a resumed writer must skip)."""
         return {r.id for r in self.iter_records()}
+
+    # ------------------------------------------------------------------ repair
+    def _quarantine_file(self, name: str) -> None:
+        """Move a damaged file aside (kept for inspection, never read again)."""
+        source = self.directory / name
+        if source.exists():
+            target = self.directory / QUARANTINE / f"{name}.{int(datetime.now().timestamp())}"
+            target.parent.mkdir(exist_ok=True)
+            os.replace(source, target)
+
+    def quarantine_shard(self, name: str, reason: str) -> tuple[str, ...] | None:
+        """Unlist a damaged token shard (and its feature shards), move its file aside, clear
+        the completion marks and its records' claims, so the next preparation makes exactly
+        its records again. Returns their ids (None when an older manifest did not list them).
+        """
+        with self._locked():
+            manifest = self.manifest()
+            entry = next((e for e in manifest["shards"] if e["name"] == name), None)
+            if entry is None:
+                return None
+            manifest["shards"] = [e for e in manifest["shards"] if e["name"] != name]
+            for section in _feature_sections(manifest):
+                feature = section.get("shards", {}).pop(name, None)
+                if feature is not None:
+                    section["bytes"] = max(0, int(section.get("bytes", 0)) - int(feature["bytes"]))
+                    section.pop("full", None)
+                    self._quarantine_file(feature["name"])
+            manifest["complete"] = {}
+            manifest["updated"] = _now()
+            self._quarantine_file(name)
+            atomic_write_json(self.directory / MANIFEST, manifest)
+            ids = tuple(entry["ids"]) if entry.get("ids") is not None else None
+            claims = self.claims.read()
+            for record_id in ids or ():
+                claims.pop(record_id, None)
+            self.claims.write(claims)
+        log.warning(
+            "%s: shard %s is damaged (%s): moved to %s/ and unlisted; %s will be made again "
+            "by the next preparation, nothing else",
+            self.directory, name, reason, QUARANTINE,
+            f"its {len(ids)} records ({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''})"
+            if ids else "its records",
+        )  # fmt: skip
+        return ids
+
+    def drop_feature_shard(self, shard: str, reason: str) -> None:
+        """Forget a damaged feature shard of token shard `shard` (every feature config): its
+        features are recomputed by the next caching pass or online; the records stay."""
+        with self._locked():
+            manifest = self.manifest()
+            dropped = False
+            for section in _feature_sections(manifest):
+                feature = section.get("shards", {}).pop(shard, None)
+                if feature is not None:
+                    section["bytes"] = max(0, int(section.get("bytes", 0)) - int(feature["bytes"]))
+                    section.pop("full", None)
+                    self._quarantine_file(feature["name"])
+                    dropped = True
+            if dropped:
+                manifest["updated"] = _now()
+                atomic_write_json(self.directory / MANIFEST, manifest)
+            claims = self.claims.read()  # its caching pass is done no more: it may run again
+            stale = [k for k in claims if k.startswith("features:") and f":{shard}:" in k]
+            for key in stale:
+                del claims[key]
+            if stale:
+                self.claims.write(claims)
+        log.warning(
+            "%s: the cached features of %s are damaged (%s): dropped, they are computed again; "
+            "its records are kept", self.directory, shard, reason,
+        )  # fmt: skip
+
+    def repair(self) -> dict[str, Any]:
+        """Check every listed file (token shards by size and sha256, feature shards by size)
+        and set aside what is damaged: `quarantine_shard` / `drop_feature_shard`. Returns
+        ``{"shards": {name: ids or None}, "features": [shard, ...]}`` of what was set aside."""
+        report: dict[str, Any] = {"shards": {}, "features": []}
+        manifest = self.manifest()
+        for entry in manifest["shards"]:
+            path = self.directory / entry["name"]
+            problem = None
+            if not path.is_file():
+                problem = "missing"
+            elif path.stat().st_size != int(entry["bytes"]):
+                problem = f"{path.stat().st_size} bytes, {entry['bytes']} listed (truncated?)"
+            elif sha256_file(path) != entry["sha256"]:
+                problem = "sha256 mismatch"
+            if problem:
+                report["shards"][entry["name"]] = self.quarantine_shard(entry["name"], problem)
+        manifest = self.manifest()
+        for section in _feature_sections(manifest):
+            for shard, feature in list(section.get("shards", {}).items()):
+                path = self.directory / feature["name"]
+                if not path.is_file() or path.stat().st_size != int(feature["bytes"]):
+                    self.drop_feature_shard(shard, "missing or truncated")
+                    report["features"].append(shard)
+        return report
 
     # ------------------------------------------------------------------ completion marks
     def mark_complete(self, key: str, **info: Any) -> None:
@@ -866,6 +972,12 @@ class RolloutStore:
 
 FLOAT16_MAX = 65504.0
 SCALE_SUFFIX = "_scale"
+
+
+def _feature_sections(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's feature-cache sections (one, under ``features``, or none)."""
+    section = manifest.get("features")
+    return [section] if isinstance(section, dict) else []
 
 
 def _put_rows(tensors: dict[str, Tensor], name: str, rows: Sequence[Tensor]) -> None:
