@@ -172,9 +172,9 @@ def test_store_writes_shards_and_manifest(tmp_path: Path, fmt: str) -> None:
     assert store.done_ids() == {f"r{i}" for i in range(7)}
     assert [r.id for r in store.iter_records()] == [f"r{i}" for i in range(7)]
     assert verify_store(tmp_path / "s") == []
-    # Nothing but shards, the manifest and the lock file: no temp file survives a write.
+    # Nothing but shards, the manifest, the claims and the lock: no temp file survives a write.
     names = sorted(p.name for p in (tmp_path / "s").iterdir())
-    assert names == sorted([".lock", MANIFEST, first.name, second.name])
+    assert names == sorted([".lock", MANIFEST, "claims.json", first.name, second.name])
     # Reopening under the same config sees the same shards.
     assert RolloutStore(tmp_path / "s", dict(reversed(CONFIG.items()))).num_records == 7
 
