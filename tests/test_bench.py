@@ -432,16 +432,16 @@ def test_cli_tree_auto(
         "--methods", "autoregressive,speculative", "--threads", "1", "--warmup", "0",
         "--bootstrap", "100", "--no-progress", "--output", str(output),
     ]  # fmt: skip
-    assert bench_cli.main(argv) == 0
+    assert bench_cli.main([*argv, "--no-lookup"]) == 0
     first = json.loads(output.read_text())["config"]
     assert first["tree"] == first["calibration"]["suggestion"]["policy"]
     assert "cached" not in first["calibration"]
     stored = list((tmp_path / "cache" / "calibration").glob("*.json"))
     assert [p.stem for p in stored] == [first["calibration"]["key"]]
-    assert bench_cli.main(argv) == 0
+    assert bench_cli.main(argv) == 0  # auto: the calibrated tree with the lookup branch
     second = json.loads(output.read_text())["config"]
     assert second["calibration"]["cached"] == str(stored[0])
-    assert second["tree"] == first["tree"]
+    assert second["tree"] == first["tree"] + bench_cli.AUTO_LOOKUP
     assert second["calibration"]["cost_curve"] == first["calibration"]["cost_curve"]
     assert bench_cli.main([*argv, "--recalibrate"]) == 0
     assert "cached" not in json.loads(output.read_text())["config"]["calibration"]
@@ -450,7 +450,7 @@ def test_cli_tree_auto(
     both = json.loads(output.read_text())
     auto = both["config"]["calibration"]["suggestion"]["policy"]
     methods = {r["method"] for r in both["rows"]}
-    assert {f"speculative@{auto}", f"speculative@{auto}+lookup:2,4"} <= methods
+    assert {f"speculative@{auto}{bench_cli.AUTO_LOOKUP}", f"speculative@{auto}+lookup:2,4"} <= methods
 
 
 def test_cli_prepack_benches_the_default_and_the_optimised_target(

@@ -63,7 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="chain:K, dynamic:DEPTH,TOP_K,TOTAL, static:NAME, or auto (calibrate first), each "
         "optionally +lookup[:MAX_NGRAM,TOKENS] (a prompt-lookup branch at T = 0); repeat to "
-        "bench several trees side by side (default chain:4)",
+        "bench several trees side by side (default chain:4); auto adds the self-tuning "
+        f"prompt-lookup branch {AUTO_LOOKUP!r} (see --no-lookup)",
+    )
+    parser.add_argument(
+        "--no-lookup",
+        action="store_true",
+        help="--tree auto without the prompt-lookup branch (the drafter's tree only)",
     )
     parser.add_argument(
         "--calibration", default=None, help="with --tree auto: reuse a calibrate JSON"
@@ -210,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     if "speculative" in methods and any(_is_auto(t) for t in trees):
         auto, calibration = _auto_tree(args, target, drafters, datasets)
         config["calibration"] = calibration
-        trees = [auto + "".join(t.partition("+")[1:]) if _is_auto(t) else t for t in trees]
+        trees = [_resolve_auto(t, auto, lookup=not args.no_lookup) if _is_auto(t) else t
+                 for t in trees]  # fmt: skip
+        print(f"bench: trees {trees}", file=sys.stderr)
     result = run_bench(
         target,
         (drafters if len(drafters) > 1 else next(iter(drafters.values()))) if drafters else None,
@@ -243,6 +251,20 @@ def main(argv: list[str] | None = None) -> int:
 def _is_auto(tree: str) -> bool:
     """``auto`` or ``auto+lookup...``: the base tree comes from a calibration."""
     return tree.partition("+")[0].strip() == "auto"
+
+
+AUTO_LOOKUP = "+lookup:3,8,0.05"
+"""What ``--tree auto`` adds to the calibrated tree: the prompt-lookup branch that learns its
+own depth (T = 0 only; BENCHMARKS.md section 6: faster on MT-Bench and HumanEval alike)."""
+
+
+def _resolve_auto(tree: str, calibrated: str, *, lookup: bool) -> str:
+    """``auto`` -> the calibrated tree plus `AUTO_LOOKUP` (unless `lookup` is off);
+    ``auto+lookup...`` -> the calibrated tree plus that branch."""
+    extra = "".join(tree.partition("+")[1:])
+    if not extra and lookup:
+        extra = AUTO_LOOKUP
+    return calibrated + extra
 
 
 def _auto_tree(
