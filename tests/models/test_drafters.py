@@ -80,7 +80,10 @@ def test_eagle_save_load_sglang_layout(tmp_path, target: TargetModel, eagle: Eag
     eagle.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == target.feature_layers
+    # SGLang adds 1 to these ids (it counts decoder layers); vLLM reads the top-level ones as is
+    decoder_layers = [i - 1 for i in target.feature_layers]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == decoder_layers
+    assert config["eagle_aux_hidden_state_layer_ids"] == target.feature_layers
     assert config["draft_vocab_size"] == 32 and config["vocab_size"] == 128
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= keys
