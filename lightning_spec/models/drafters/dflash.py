@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_spec.models.drafters.base import Drafter, DrafterOutput, register_drafter
-from lightning_spec.models.drafters.eagle3 import KVState, _rope_theta
+from lightning_spec.models.drafters.eagle3 import KVState, target_shaped_config
 from lightning_spec.models.drafters.layers import (
     GatedMLP,
     RMSNorm,
@@ -49,7 +49,6 @@ from lightning_spec.models.drafters.layers import (
     attend_blocks,
     rotary,
 )
-from lightning_spec.models.fingerprint import cached_target_fingerprint
 from lightning_spec.models.layer_ids import FEATURE_LAYERS_KEY, engine_layer_keys
 from lightning_spec.models.logits import tempered_log_softmax
 from lightning_spec.models.vocab import (
@@ -206,26 +205,11 @@ class DFlashDrafter(Drafter):
         seed: int = 0,
     ) -> DFlashDrafter:
         """A fresh drafter sized like `target` (a TargetModel), bound to its weights."""
-        text = target.model.config
-        text = text.get_text_config() if hasattr(text, "get_text_config") else text
-        hidden = target.hidden_size
-        heads = int(text.num_attention_heads)
         vocab = target.vocab_size
         config = {
-            "hidden_size": hidden,
-            "intermediate_size": int(intermediate_size or text.intermediate_size),
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(text.num_key_value_heads),
-            "head_dim": int(getattr(text, "head_dim", None) or hidden // heads),
-            "rms_norm_eps": float(getattr(text, "rms_norm_eps", 1e-6)),
-            "rope_theta": float(_rope_theta(text)),
-            "target_hidden_size": hidden,
-            "target_vocab_size": vocab,
-            "draft_vocab_size": int(draft_vocab_size or vocab),
-            "target_layer_ids": list(target.feature_layers),
-            "target_model": target.name,
-            "max_position_embeddings": int(getattr(text, "max_position_embeddings", 4096)),
-            "target_fingerprint": cached_target_fingerprint(target),
+            **target_shaped_config(
+                target, draft_vocab_size=draft_vocab_size, intermediate_size=intermediate_size
+            ),
             "num_layers": int(num_layers),
             "block_size": int(block_size),
         }

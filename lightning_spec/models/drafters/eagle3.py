@@ -190,35 +190,19 @@ class Eagle3Drafter(Drafter):
         LM head starts from the target's own output rows for those ids, which gives an untrained
         head a sensible vocabulary prior.
         """
-        text_config = target.model.config
-        text_config = (
-            text_config.get_text_config()
-            if hasattr(text_config, "get_text_config")
-            else text_config
-        )
-        vocab = target.vocab_size
-        draft_vocab = int(draft_vocab_size or vocab)
-        heads = int(num_attention_heads or text_config.num_attention_heads)
-        hidden = target.hidden_size
         config = {
-            "hidden_size": hidden,
-            "intermediate_size": int(intermediate_size or text_config.intermediate_size),
-            "num_attention_heads": heads,
-            "num_key_value_heads": int(num_key_value_heads or text_config.num_key_value_heads),
-            "head_dim": int(getattr(text_config, "head_dim", None) or hidden // heads),
-            "rms_norm_eps": float(getattr(text_config, "rms_norm_eps", 1e-6)),
-            "rope_theta": float(_rope_theta(text_config)),
-            "target_hidden_size": hidden,
-            "target_vocab_size": vocab,
-            "draft_vocab_size": draft_vocab,
-            "target_layer_ids": list(target.feature_layers),
-            "target_model": target.name,
-            "max_position_embeddings": int(getattr(text_config, "max_position_embeddings", 4096)),
-            "target_fingerprint": cached_target_fingerprint(target),
+            **target_shaped_config(
+                target,
+                draft_vocab_size=draft_vocab_size,
+                intermediate_size=intermediate_size,
+                num_attention_heads=num_attention_heads,
+                num_key_value_heads=num_key_value_heads,
+            ),
             "feature_norm": bool(feature_norm),
         }
         torch.manual_seed(seed)
         drafter = cls(config)
+        vocab, draft_vocab = target.vocab_size, int(config["draft_vocab_size"])
         with torch.no_grad():
             drafter.embed_tokens.weight.copy_(target.input_embeddings().weight.float())
             if draft_vocab < vocab:
@@ -336,6 +320,38 @@ class Eagle3Drafter(Drafter):
             "feature_norm",
         }
         return cls({k: v for k, v in config.items() if k in keep})
+
+
+def target_shaped_config(
+    target: Any,
+    *,
+    draft_vocab_size: int | None = None,
+    intermediate_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_key_value_heads: int | None = None,
+) -> dict[str, Any]:
+    """The config keys every feature-reading drafter takes from its target (a TargetModel):
+    sizes, norms and rotary settings of its layers, vocabularies, feature layers, identity."""
+    text = target.model.config
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    hidden = target.hidden_size
+    heads = int(num_attention_heads or text.num_attention_heads)
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": int(intermediate_size or text.intermediate_size),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(num_key_value_heads or text.num_key_value_heads),
+        "head_dim": int(getattr(text, "head_dim", None) or hidden // heads),
+        "rms_norm_eps": float(getattr(text, "rms_norm_eps", 1e-6)),
+        "rope_theta": float(_rope_theta(text)),
+        "target_hidden_size": hidden,
+        "target_vocab_size": target.vocab_size,
+        "draft_vocab_size": int(draft_vocab_size or target.vocab_size),
+        "target_layer_ids": list(target.feature_layers),
+        "target_model": target.name,
+        "max_position_embeddings": int(getattr(text, "max_position_embeddings", 4096)),
+        "target_fingerprint": cached_target_fingerprint(target),
+    }
 
 
 def _rope_theta(config: Any) -> float:
