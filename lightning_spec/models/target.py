@@ -47,7 +47,8 @@ def default_feature_layers(num_layers: int) -> list[int]:
     """EAGLE-3 feature layers {2, L//2, L-3}, as indices into HF `hidden_states` (0 = embeddings).
 
     This is the convention SGLang and vLLM write into EAGLE-3 checkpoints; tiny models get the
-    ids clamped into range and de-duplicated so a 2-layer test model still works.
+    ids clamped into range, so a 2-layer test model still works (it may repeat a layer, which
+    costs width but nothing else).
     """
     ids = [2, num_layers // 2, num_layers - 3]
     ids = [min(max(i, 1), num_layers) for i in ids]
