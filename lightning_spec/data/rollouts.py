@@ -599,9 +599,7 @@ class RolloutStore:
         """Remove temp files a killed writer of ``rank`` left (never another rank's)."""
         remove_stale(self.directory, contains=f"-r{rank:03d}-")
 
-    def write_shard(
-        self, records: Sequence[RolloutRecord], *, rank: int = 0
-    ) -> ShardInfo | None:
+    def write_shard(self, records: Sequence[RolloutRecord], *, rank: int = 0) -> ShardInfo | None:
         """Write ``records`` as the next shard of ``rank`` and list it in the manifest.
 
         The shard is complete on disk (fsynced, renamed) before the manifest names it, so a
@@ -622,7 +620,9 @@ class RolloutStore:
             fresh = [
                 r
                 for r in records
-                if not (claims.get(r.id, {}).get("done") and claims[r.id].get("by") != self.claims.owner)
+                if not (
+                    claims.get(r.id, {}).get("done") and claims[r.id].get("by") != self.claims.owner
+                )
             ]
             if len(fresh) < len(records):
                 log.info(
@@ -872,7 +872,8 @@ class RolloutStore:
 
         ids = list(features)
         tensors: dict[str, Tensor] = {}
-        _put_rows(tensors, "features", [features[i] for i in ids])
+        layers = list(feature_config.get("feature_layers") or [])
+        _put_rows(tensors, "features", [features[i] for i in ids], layers=layers)
         if last_hidden is not None:
             if any(last_hidden[i].shape[0] != features[i].shape[0] for i in ids):
                 raise ValueError("last_hidden and features must cover the same tokens")
@@ -980,17 +981,49 @@ def _feature_sections(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [section] if isinstance(section, dict) else []
 
 
-def _put_rows(tensors: dict[str, Tensor], name: str, rows: Sequence[Tensor]) -> None:
+def _put_rows(
+    tensors: dict[str, Tensor], name: str, rows: Sequence[Tensor], layers: Sequence[int] = ()
+) -> None:
     """``tensors[name]`` (fp16 rows) and, when some row needed one, ``tensors[name_scale]``."""
-    flat, scale = _flatten_rows(rows, name)
+    flat, scale = _flatten_rows(rows, name, layers)
     tensors[name] = flat
     if scale is not None:
         tensors[f"{name}{SCALE_SUFFIX}"] = scale
+
+
 #: Rows whose largest magnitude passes this are stored divided by a per-row scale (see below).
 FLOAT16_SAFE = 32768.0
 
 
-def _flatten_rows(rows: Sequence[Tensor], name: str) -> tuple[Tensor, Tensor | None]:
+def _where_non_finite(row: Tensor, name: str, index: int, layers: Sequence[int]) -> str:
+    """Where in record ``index`` the first non-finite value sits, and how large the finite ones
+    grew: overflow (a huge finite peak) and a broken target (NaN at unit scale) read apart."""
+    finite = torch.isfinite(row)
+    token, column = (int(v) for v in (~finite).nonzero()[0])
+    where = f"record {index}, token {token}, column {column}"
+    if layers and row.shape[-1] % len(layers) == 0:
+        width = row.shape[-1] // len(layers)
+        where += (
+            f" (hidden unit {column % width} of target layer {layers[column // width]}, "
+            "a hidden_states index)"
+        )
+    elif name == "last_hidden":
+        where += " (the target's final hidden state)"
+    peak = float(row[finite].abs().max()) if bool(finite.any()) else float("nan")
+    cause = (
+        "activations this large overflow a 16-bit target dtype: load the target in float32"
+        if peak > FLOAT16_MAX / 4
+        else "at ordinary magnitudes, so the target itself computes NaN: check its weights"
+    )
+    return (
+        f"cached {name}: the target produced non-finite values (NaN/inf) in {where}; the "
+        f"largest finite magnitude in that record is {peak:.3g} ({cause})"
+    )
+
+
+def _flatten_rows(
+    rows: Sequence[Tensor], name: str, layers: Sequence[int] = ()
+) -> tuple[Tensor, Tensor | None]:
     """Concatenate ``[T_i, D]`` rows into one fp16 ``[sum T_i, D]`` tensor on the CPU, and the
     per-row scales it must be multiplied by (None when every scale is 1).
 
@@ -1009,11 +1042,7 @@ def _flatten_rows(rows: Sequence[Tensor], name: str) -> tuple[Tensor, Tensor | N
         row = row.detach().to("cpu", torch.float32)
         finite = torch.isfinite(row)
         if not bool(finite.all()):
-            token, column = (int(v) for v in (~finite).nonzero()[0])
-            raise ValueError(
-                f"cached {name}: the target produced non-finite values (NaN/inf) in record "
-                f"{index}, token {token}, column {column}"
-            )
+            raise ValueError(_where_non_finite(row, name, index, layers))
         peak = row.abs().amax(dim=-1) if row.numel() else row.new_zeros(row.shape[0])
         scale = (peak / FLOAT16_SAFE).clamp_min(1.0)  # [T]
         scaled.append((row / scale.unsqueeze(-1)).to(torch.float16))

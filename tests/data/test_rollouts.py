@@ -359,6 +359,23 @@ def test_features_past_fp16_range_round_trip_with_a_row_scale(tmp_path: Path) ->
     nan[2, 1] = float("nan")
     other = RolloutStore(tmp_path / "c", CONFIG)
     shard_c = other.write_shard(_records(1)).name
-    with pytest.raises(ValueError, match="non-finite.*token 2, column 1"):
+    with pytest.raises(ValueError, match="non-finite.*token 2, column 1.*largest finite"):
         other.write_features(shard_c, {"r0": nan}, feature_config=config, cap_bytes=10**6)
     assert other.feature_shards(config) == {}  # nothing was written
+
+
+def test_non_finite_features_name_the_target_layer_and_the_magnitude(tmp_path: Path) -> None:
+    """The refusal says which target layer overflowed and how large its finite values grew, so
+    an fp16 overflow reads differently from a target that computes NaN at unit scale."""
+    store = RolloutStore(tmp_path, CONFIG)
+    shard = store.write_shard(_records(1)).name
+    config = {"target": "tiny", "feature_layers": [2, 4, 5]}  # three 4-wide blocks
+    overflow = torch.randn(3, 12)
+    overflow[1, 3] = 6.0e4
+    overflow[1, 9] = float("inf")
+    with pytest.raises(ValueError, match=r"hidden unit 1 of target layer 5.*6e\+04.*float32"):
+        store.write_features(shard, {"r0": overflow}, feature_config=config, cap_bytes=10**6)
+    broken = torch.randn(3, 12)
+    broken[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"target layer 2.*check its weights"):
+        store.write_features(shard, {"r0": broken}, feature_config=config, cap_bytes=10**6)
