@@ -95,6 +95,34 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def _bind_embeddings(drafter: Any, drafter_dir: Path, target: Any) -> None:
+    """Give the drafter the input embeddings its folder does not hold (they are the target's;
+    the step graph embeds token ids, so it carries the table): from ``--target``, else from the
+    target the drafter recorded (``target_model``, e.g. ``smollm2``)."""
+    if target is not None:
+        drafter.bind_target(target)
+        return
+    if drafter.has_embeddings:  # a folder written before sharing: its own copy
+        return
+    recorded = drafter.config.get("target_model")
+    try:
+        from lightning_spec.models.target import load_target
+
+        name = str(recorded or "")
+        if not (name in ("smollm2", "default") or "/" in name or Path(name).exists()):
+            # not the embedded default, a folder or a hub id (a test model's "random-llama")
+            raise ValueError("it names no loadable model")
+        drafter.bind_target(load_target(str(recorded)))
+    except Exception as error:  # noqa: BLE001 - any load failure: the user must name the target
+        raise ExportError(
+            f"{drafter_dir} shares its target's input embeddings (they are not in the folder, and "
+            "the step graph embeds token ids), and its recorded target {recorded!r} cannot be "
+            f"loaded ({error}): pass --target with the model folder, hub id or smollm2 it was "
+            "trained for",
+            EXIT_USAGE,
+        ) from error
+
+
 def _load_target_inputs(target_spec: str, drafter: Any) -> tuple[Any, Any, Any, list[list[int]]]:
     """The target, real features [1, L, F] with their ids, and prompts for decode parity."""
     import torch
@@ -183,6 +211,8 @@ def export_package(
             "EAGLE-3 drafters",
             EXIT_USAGE,
         )
+    target_inputs = _load_target_inputs(target, drafter) if target is not None else None
+    _bind_embeddings(drafter, drafter_dir, target_inputs[0] if target_inputs else None)
     tolerances = dict(tolerances or parity.DEFAULT_TOLERANCES)
     output_dir.mkdir(parents=True, exist_ok=True)
     _copy_folder(drafter_dir, output_dir / parity.DRAFTER_FOLDER)
@@ -233,8 +263,8 @@ def export_package(
     verify = parity.verify_graph_parity(verifier, max_nodes=min(48, max_tree_nodes))
     verify["passed"] = verify["mismatches"] == 0
     manifest["parity"] = {"random": random_result, "rollout": rollout, "tree_verify": verify}
-    if target is not None:
-        target_model, features, ids, prompts = _load_target_inputs(target, drafter)
+    if target_inputs is not None:
+        target_model, features, ids, prompts = target_inputs
         real = parity.rollout_parity(drafter, onnx_drafter, features=features, prompt_ids=ids)
         real["passed"] = parity.parity_passed(real, tolerances)
         decode = parity.decode_parity(

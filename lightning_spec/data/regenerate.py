@@ -394,11 +394,13 @@ def cache_features(
                     input_ids.to(target.device),
                     attention_mask=attention_mask.to(target.device),
                     use_cache=False,
+                    logits_to_keep=1,  # the argmax below comes chunked: no [B, T, V] logits
                 )
+                batch_argmax = target.head_argmax(output.last_hidden)
                 for row, record in enumerate(batch):
                     features[record.id] = output.features[row, : len(record)].to("cpu")
                     last_hidden[record.id] = output.last_hidden[row, : len(record)].to("cpu")
-                    argmax[record.id] = output.logits[row, : len(record)].argmax(-1).to("cpu")
+                    argmax[record.id] = batch_argmax[row, : len(record)].to("cpu")
                     tokens += len(record)
                 rate = tokens / max(time.perf_counter() - start, 1e-9)
                 bar.update(task, advance=len(batch), rate=rate)

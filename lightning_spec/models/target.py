@@ -265,6 +265,23 @@ class TargetModel(nn.Module):
     def input_embeddings(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 
+    #: Logits the LM head produces at once where only their argmax is needed: 2^25 (128 MB in
+    #: float32), so a 262k vocabulary never materialises [B, T, V] for a batch (4 GB at
+    #: 4 x 1024 tokens).
+    HEAD_CHUNK_ELEMENTS = 1 << 25
+
+    @torch.no_grad()
+    def head_argmax(self, last_hidden: Tensor) -> Tensor:
+        """Full-vocabulary argmax [...] of the LM head on final hidden states [..., H], in chunks
+        of rows (soft-capping, where a family has it, is monotonic: the argmax ignores it)."""
+        head = self.model.get_output_embeddings()
+        flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+        rows = max(1, self.HEAD_CHUNK_ELEMENTS // max(1, head.weight.shape[0]))
+        out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        for lo in range(0, flat.shape[0], rows):
+            out[lo : lo + rows] = head(flat[lo : lo + rows].to(head.weight.dtype)).argmax(-1)
+        return out.reshape(last_hidden.shape[:-1])
+
     def new_cache(self) -> object:
         from transformers import DynamicCache
 

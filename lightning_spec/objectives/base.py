@@ -345,4 +345,7 @@ class Objective(LightningModule):
         state = checkpoint.setdefault("state_dict", {})
         for key, value in self.target.state_dict(prefix="target.").items():
             state.setdefault(key, value)
+        own = set(self.state_dict())
+        for key in [k for k in state if k.endswith("embed_tokens.weight") and k not in own]:
+            del state[key]  # older checkpoints held the drafter's own copy of the embeddings
         self.load_checkpoint_state(checkpoint.get(self.checkpoint_key, {}))

@@ -78,7 +78,7 @@ def block_sft_losses(
     """The block objective on a right-padded batch (see the module docstring).
 
     input_ids/loss_mask [B, T] (loss_mask already zero on padding), features [B, T, F];
-    target_probs [B, T-1, V_draft] and target_argmax [B, T-1] (target ids) as `ttt_labels`
+    target_probs [B, T-1, V_draft] and target_argmax [B, T-1] (target ids) as `cached_ttt_labels`
     gives them: index i holds the target's row i + 1.
     """
     if weighting not in BLOCK_WEIGHTINGS:

@@ -69,7 +69,6 @@ __all__ = [
     "draft_token_counts",
     "eagle_ttt_losses",
     "ttt_attention_mask",
-    "ttt_labels",
     "ttt_loss_masks",
     "ttt_unroll",
 ]
@@ -167,28 +166,18 @@ def _draft_ids(drafter: Drafter) -> Tensor | None:
     return draft_to_target_ids(drafter.d2t)
 
 
-def ttt_labels(drafter: Drafter, *, target_logits: Tensor) -> tuple[Tensor, Tensor]:
-    """Soft labels [B, T-1, V_draft] and target argmax ids [B, T-1] of the drafter entries.
-
-    target_logits [B, T, V] (full vocabulary); row j predicts x_{j+1}, the label of the entry
-    at position j (entry j - 1). Callers drop the full logits afterwards: at T = 2048 and
-    V = 49k they are 400 MB per sequence in float32.
-    """
-    rows = target_logits[:, 1:]  # [B, L, V]
-    label_logits = losses.restrict_to_draft_vocab(target_logits=rows, draft_ids=_draft_ids(drafter))
-    return torch.softmax(label_logits.float(), dim=-1), rows.argmax(dim=-1)
-
-
 @torch.no_grad()
 def cached_ttt_labels(
     drafter: Drafter, *, head: torch.nn.Module, last_hidden: Tensor, target_argmax: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """`ttt_labels` from cached target outputs without the full-vocabulary LM head.
+    """Soft labels [B, T-1, V_draft] and target argmax ids [B, T-1] of the drafter entries
+    (row j of the target predicts x_{j+1}, the label of the entry at position j).
 
     last_hidden [B, T, H] (the target's final hidden states), target_argmax [B, T] (its
-    full-vocabulary argmax, cached with the features). Only the draft-vocabulary rows of the
-    head are applied: on SmolLM2 with a 4k draft vocabulary that is 12x less work than the
-    49k-row head, about a third of a cached training step otherwise.
+    full-vocabulary argmax: cached with the features, or `TargetModel.head_argmax`). Only the
+    draft-vocabulary rows of the head are applied: on SmolLM2 with a 4k draft vocabulary that
+    is 12x less work than the 49k-row head, and at a 262k vocabulary the [B, T, V] logits
+    (4 GB at 4 x 1024 tokens) never exist.
     """
     draft_ids = _draft_ids(drafter)
     weight = head.weight if draft_ids is None else head.weight.index_select(0, draft_ids)
@@ -463,26 +452,24 @@ class EagleSFT(Objective):
 
     # ---------------------------------------------------------------------------- steps
     def _target_outputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """Features [B, T, F] and full-vocabulary target logits [B, T, V] for the batch.
+        """Features [B, T, F] and the target's final hidden states [B, T, H] for the batch.
 
-        Cached `features` plus the target's final hidden state `last_hidden` skip the target
-        forward (logits = the target's LM head on `last_hidden`); otherwise the frozen target
-        runs here, under no_grad, and cached features (if any) are still the ones used.
+        Cached `features` plus `last_hidden` skip the target forward; otherwise the frozen
+        target runs here, under no_grad, without its [B, T, V] logits (the labels apply the LM
+        head's draft rows, the argmax comes in chunks), and cached features (if any) are still
+        the ones used.
         """
-        input_ids = batch["input_ids"]
         if "features" in batch and "last_hidden" in batch:
-            head = self.target.model.get_output_embeddings()
-            with torch.no_grad():
-                logits = head(batch["last_hidden"].to(head.weight.dtype))
-            return batch["features"], logits
+            return batch["features"], batch["last_hidden"]
         output = self.target(
-            input_ids,
+            batch["input_ids"],
             attention_mask=batch.get("attention_mask"),
             use_cache=False,
             output_features="features" not in batch,
+            logits_to_keep=1,
         )
         features = batch["features"] if "features" in batch else output.features
-        return features, output.logits
+        return features, output.last_hidden
 
     def _common_step(self, batch: dict[str, Any]) -> TTTResult:
         input_ids = batch["input_ids"]
@@ -494,18 +481,16 @@ class EagleSFT(Objective):
                     "EagleSFT expects right-padded batches (attention_mask 1...1 0...0)"
                 )
             loss_mask = loss_mask * attention
-        if {"features", "last_hidden", "target_argmax"} <= set(batch):
-            features = batch["features"]
-            target_probs, target_argmax = cached_ttt_labels(
-                self.drafter,
-                head=self.target.model.get_output_embeddings(),
-                last_hidden=batch["last_hidden"],
-                target_argmax=batch["target_argmax"],
-            )
-        else:
-            features, target_logits = self._target_outputs(batch)
-            target_probs, target_argmax = ttt_labels(self.drafter, target_logits=target_logits)
-            del target_logits  # the full-vocabulary logits are the largest tensor of the step
+        features, last_hidden = self._target_outputs(batch)
+        argmax = batch.get("target_argmax")
+        if argmax is None or "last_hidden" not in batch:
+            argmax = self.target.head_argmax(last_hidden)
+        target_probs, target_argmax = cached_ttt_labels(
+            self.drafter,
+            head=self.target.model.get_output_embeddings(),
+            last_hidden=last_hidden,
+            target_argmax=argmax,
+        )
         self._finite_inputs = {
             "target features": bool(torch.isfinite(features).all()),
             "target labels": bool(torch.isfinite(target_probs).all()),

@@ -216,3 +216,15 @@ def test_argparse_errors_return_2(capsys) -> None:
     assert export_cli.main(["--output", "x"]) == 2
     assert export_cli.main(["--drafter", "d", "--output", "o", "--precision", "int8"]) == 2
     assert export_cli.main(["--drafter", "d", "--output", "o", "--opset", "17"]) == 2
+
+
+def test_a_folder_without_embeddings_needs_its_target(tmp_path: Path, capsys) -> None:
+    """EAGLE-3 folders hold no embeddings (they are the target's) while the step graph embeds
+    token ids: without --target, and with a recorded target that cannot be loaded, export says
+    which flag gives it the table."""
+    target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=0)
+    folder = Eagle3Drafter.from_target(target).save_pretrained(tmp_path / "d")
+    code = export_cli.main(["--drafter", str(folder), "--output", str(tmp_path / "o")])
+    assert code == cli.EXIT_USAGE
+    message = capsys.readouterr().err
+    assert "shares its target's input embeddings" in message and "pass --target" in message

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lightning_spec.models.drafters.base import load_drafter
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
@@ -32,9 +32,10 @@ def test_eagle_vocab_and_init(target: TargetModel, eagle: Eagle3Drafter) -> None
     # The 31 most frequent ids plus EOS (2), which is always kept.
     assert ids.tolist() == [2] + list(range(97, 128))
     assert int(eagle.t2d.sum()) == 32 and bool(eagle.t2d[2])
-    torch.testing.assert_close(eagle.embed_tokens.weight, target.input_embeddings().weight)
+    # the target's embeddings are shared (the same storage), never a parameter or saved
+    assert eagle._embedding.data_ptr() == target.input_embeddings().weight.data_ptr()
+    assert not any("embed" in name for name in eagle.state_dict())
     torch.testing.assert_close(eagle.lm_head.weight, target.model.lm_head.weight[ids])
-    assert not eagle.embed_tokens.weight.requires_grad
     assert eagle.config["target_layer_ids"] == target.feature_layers
 
 
@@ -88,11 +89,20 @@ def test_eagle_save_load_sglang_layout(tmp_path, target: TargetModel, eagle: Eag
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= keys
     assert "midlayer.self_attn.q_proj.weight" in keys and "midlayer.hidden_norm.weight" in keys
-    loaded = load_drafter(tmp_path)
-    assert isinstance(loaded, Eagle3Drafter)
+    assert "embed_tokens.weight" not in keys  # the target's; loaders (vLLM, SGLang) share it
     ids = torch.randint(3, 128, (1, 6))
     features = target(ids).features
+    with pytest.raises(RuntimeError, match="bind_target"):
+        load_drafter(tmp_path)(ids, features)
+    loaded = load_drafter(tmp_path, target=target)
+    assert isinstance(loaded, Eagle3Drafter)
     torch.testing.assert_close(loaded(ids, features).logits, eagle(ids, features).logits)
+    # A folder written before sharing holds its own copy: it loads and runs unbound.
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["embed_tokens.weight"] = target.input_embeddings().weight.detach().clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    older = load_drafter(tmp_path)
+    torch.testing.assert_close(older(ids, features).logits, eagle(ids, features).logits)
     # A folder without drafter_type but with the SGLang architecture still loads.
     del config["drafter_type"]
     (tmp_path / "config.json").write_text(json.dumps(config))

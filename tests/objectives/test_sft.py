@@ -241,9 +241,9 @@ def test_two_step_smoke_run_logs_to_sqlite_mlflow(
     monkeypatch.chdir(tmp_path)  # anything written relative to the cwd would show up here
     run_dir = tmp_path / "runs" / "smoke"
     drafter = _drafter(target)
-    embedding_before = drafter.embed_tokens.weight.clone()
+    embedding_before = target.input_embeddings().weight.clone()
     module = EagleSFT.from_objects(
-        target, drafter, ttt_steps=3, lr=1e-2, warmup_steps=1, max_steps_for_schedule=10
+        target, drafter, ttt_steps=3, lr=2e-3, warmup_steps=1, max_steps_for_schedule=10
     )
     probe = _TargetModeProbe()
     logger = make_mlflow_logger("sft-smoke", run_dir)
@@ -269,7 +269,9 @@ def test_two_step_smoke_run_logs_to_sqlite_mlflow(
     trainer.fit(module, datamodule=TinyData(_batch()))
     assert trainer.global_step == 2
     assert probe.modes == [False, False]  # the frozen target never goes to train mode
-    torch.testing.assert_close(module.drafter.embed_tokens.weight, embedding_before)
+    # the shared embeddings stay the target's, unchanged, and out of the drafter's parameters
+    assert module.drafter._embedding.data_ptr() == target.input_embeddings().weight.data_ptr()
+    torch.testing.assert_close(target.input_embeddings().weight, embedding_before)
 
     # Drafter folders: best/ and last/ with weights, config and the training state.
     folder = run_dir / "drafter"
@@ -287,7 +289,7 @@ def test_two_step_smoke_run_logs_to_sqlite_mlflow(
     assert uri == f"sqlite:///{tmp_path}/runs/mlflow.db" and uri.startswith("sqlite:////")
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(logger.run_id)
-    assert run.data.params["ttt_steps"] == "3" and run.data.params["lr"] == "0.01"
+    assert run.data.params["ttt_steps"] == "3" and run.data.params["lr"] == "0.002"
     keys = set(run.data.metrics)
     expected = {"train/loss", "train/lr", "train/tokens", "train/skipped_nonfinite"}
     expected |= {f"train/{m}_{k}" for m in ("loss", "acc") for k in range(3)}

@@ -209,8 +209,11 @@ def register_drafter(cls: type[Drafter]) -> type[Drafter]:
     return cls
 
 
-def load_drafter(folder: str | Path, *, device: str | torch.device = "cpu") -> Drafter:
-    """Load any drafter folder written by `save_pretrained`.
+def load_drafter(
+    folder: str | Path, *, device: str | torch.device = "cpu", target: Any = None
+) -> Drafter:
+    """Load any drafter folder written by `save_pretrained`; with `target`, bind the weights it
+    shares with that target (embeddings, a DFlash LM head), which the folder does not hold.
 
     Looks the folder's `drafter_type` up in `DRAFTER_TYPES`. This module imports none of the
     implementations (they import it); the package's `__init__` imports the built-in ones, and
@@ -239,4 +242,7 @@ def load_drafter(folder: str | Path, *, device: str | torch.device = "cpu") -> D
         raise FileNotFoundError(f"{folder}: {WEIGHTS_NAME} is missing")
     drafter = DRAFTER_TYPES[drafter_type].from_config_dict(config)
     drafter.load_exported_state_dict(load_file(str(weights)))
-    return drafter.to(device).eval()
+    drafter = drafter.to(device).eval()
+    if target is not None:
+        drafter.bind_target(target)
+    return drafter

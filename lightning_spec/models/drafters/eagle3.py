@@ -145,8 +145,9 @@ class Eagle3Drafter(Drafter):
         vocab = int(config["target_vocab_size"])
         draft_vocab = int(config["draft_vocab_size"])
         num_features = len(config["target_layer_ids"])
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.embed_tokens.weight.requires_grad_(False)  # shared with the target, frozen
+        # The target's input embeddings, shared (not saved): `bind_target` attaches them. A
+        # folder written before sharing carries its own copy, kept here until bound.
+        self._embedding: Tensor | None = None
         self.fc = nn.Linear(num_features * int(config["target_hidden_size"]), hidden, bias=False)
         # EAGLE-3.1: each target layer's hidden state normalised before the fusion layer, so
         # the scales of low, middle and high layers (up to 1e5 on some families) meet evenly
@@ -183,7 +184,7 @@ class Eagle3Drafter(Drafter):
         seed: int = 0,
         feature_norm: bool = False,
     ) -> Eagle3Drafter:
-        """A fresh head sized like `target` (a TargetModel); embeddings copied from it.
+        """A fresh head sized like `target` (a TargetModel), sharing its input embeddings.
         `feature_norm` gives the EAGLE-3.1 variant (per-layer norms before ``fc``).
 
         With `token_counts` the draft vocabulary keeps the most frequent ids (EOS always); the
@@ -204,7 +205,6 @@ class Eagle3Drafter(Drafter):
         drafter = cls(config)
         vocab, draft_vocab = target.vocab_size, int(config["draft_vocab_size"])
         with torch.no_grad():
-            drafter.embed_tokens.weight.copy_(target.input_embeddings().weight.float())
             if draft_vocab < vocab:
                 counts = token_counts if token_counts is not None else torch.zeros(vocab)
                 d2t, t2d = build_draft_vocab(counts, draft_vocab, target.eos_token_ids)
@@ -214,7 +214,40 @@ class Eagle3Drafter(Drafter):
             if head is not None:
                 rows = draft_to_target_ids(drafter.d2t)
                 drafter.lm_head.weight.copy_(head.weight[rows].float())
-        return drafter.to(target.dtype)
+        drafter = drafter.to(target.dtype)
+        drafter.bind_target(target)
+        return drafter
+
+    def bind_target(self, target: Any) -> None:
+        """Share `target`'s input embeddings (frozen, never saved: a 262k-token vocabulary
+        would otherwise put more parameters in every drafter folder than its layers hold)."""
+        # The parameter itself (detached per use): when the target moves device, its `.data`
+        # is swapped and the drafter follows.
+        weight = target.input_embeddings().weight
+        hidden = int(self.config["hidden_size"])
+        if weight.shape[0] < self.target_vocab_size or weight.shape[1] != hidden:
+            raise ValueError(
+                f"the target embeds {weight.shape[0]} tokens of width {weight.shape[1]}, this "
+                f"drafter maps onto {self.target_vocab_size} of width {hidden}: another target"
+            )
+        object.__setattr__(self, "_embedding", weight)  # not registered: never a parameter
+
+    @property
+    def has_embeddings(self) -> bool:
+        """Whether `embed` can run: bound to a target, or an older folder's own copy."""
+        return self._embedding is not None
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token embeddings [..., H] from the shared (target's) table."""
+        if self._embedding is None:
+            raise RuntimeError(
+                f"{type(self).__name__} shares the target's input embeddings: call "
+                "drafter.bind_target(target) first (the decoder, the objectives and export do)"
+            )
+        weight = self._embedding.detach()
+        if weight.device != input_ids.device:
+            weight = weight.to(input_ids.device)
+        return torch.nn.functional.embedding(input_ids, weight)
 
     # ------------------------------------------------------------------ state
     def new_state(self, batch_size: int = 1) -> KVState:
@@ -250,7 +283,7 @@ class Eagle3Drafter(Drafter):
                     f"(target layers {self.config['target_layer_ids']}): wrong target?"
                 )
             hidden = self.fuse(features)
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+        embeds = self.embed(input_ids).to(hidden.dtype)
         out_hidden = self.midlayer(embeds, hidden, position_ids, state, mask)
         logits = self.lm_head(self.norm(out_hidden))
         return DrafterOutput(logits=logits, hidden=out_hidden)
@@ -293,6 +326,15 @@ class Eagle3Drafter(Drafter):
             }
         )
         return config
+
+    def load_exported_state_dict(self, tensors: dict[str, Tensor]) -> None:
+        """Load a folder's weights; an older folder's own ``embed_tokens`` copy is kept as the
+        embedding table until `bind_target` shares the target's (the same frozen values)."""
+        tensors = dict(tensors)
+        own = tensors.pop("embed_tokens.weight", None)
+        self.load_state_dict(tensors)
+        if own is not None:
+            self._embedding = own.to(self.fc.weight.device)
 
     @classmethod
     def from_config_dict(cls, config: dict[str, Any]) -> Eagle3Drafter:

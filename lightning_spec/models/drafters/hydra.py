@@ -87,6 +87,7 @@ class HydraDrafter(Eagle3Drafter):
                 strict=False,
             )
             drafter = fresh.to(target.dtype)
+            drafter.bind_target(target)
         return drafter  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ state
@@ -118,7 +119,7 @@ class HydraDrafter(Eagle3Drafter):
                 )
             hidden = self.fuse(features)
         assert hidden is not None
-        return self.embed_tokens(input_ids).to(hidden.dtype), hidden
+        return self.embed(input_ids).to(hidden.dtype), hidden
 
     def _output(self, state: LengthState, out_hidden: Tensor) -> DrafterOutput:
         state.length += int(out_hidden.shape[1])
