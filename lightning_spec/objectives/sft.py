@@ -200,7 +200,7 @@ def eagle_ttt_losses(
     steps: int,
     decay: float,
 ) -> TTTResult:
-    """The EAGLE-3 TTT objective on one batch, given the target's labels (`ttt_labels`).
+    """The EAGLE-3 TTT objective on one batch, given the target's labels (`cached_ttt_labels`).
 
     input_ids/loss_mask [B, T], features [B, T, F], target_probs [B, T-1, V_draft],
     target_argmax [B, T-1] (target ids).
