@@ -412,6 +412,80 @@ def test_a_killed_runs_mlflow_status_is_set_by_the_next_session(
     again = make_mlflow_logger("killed", run_dir)  # a third session: nothing left to mark
     again.log_metrics({"loss": 0.1}, step=0)
     again.finalize("success")
-    records = [json.loads(line) for line in (run_dir / "mlflow_mirror.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (run_dir / "mlflow_mirror.jsonl").read_text().splitlines()
+    ]
     marks = [r for r in records if r["type"] == "killed_run"]
     assert [m["run_id"] for m in marks] == [killed]
+
+
+# --------------------------------------------------------------------------- disk full, locks
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full (ENOSPC)")
+def test_a_full_disk_costs_neither_the_run_nor_the_mirror(
+    tmp_path: Path, store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The mirror's file on a full disk (a symlink to /dev/full: every write fails with ENOSPC,
+    a real fault, no mock): logging goes on (MLflow still gets every metric), the records wait
+    in memory, the error says so once, and when space returns they are all written, in order."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "runs" / "full"
+    logger = SpecMLFlowLogger(experiment_name="full", run_dir=str(run_dir), tracking_uri=store)
+    logger.log_metrics({"train/loss": 1.0}, step=0)
+    mirror = run_dir / MIRROR_NAME
+    kept = mirror.read_bytes()
+    mirror.unlink()
+    mirror.symlink_to("/dev/full")
+    with caplog.at_level(logging.ERROR, logger="lightning_spec"):
+        for step in range(1, 4):
+            logger.log_metrics({"train/loss": 1.0 / (step + 1)}, step=step)
+    assert logger.mirror.pending == 3 and not logger.offline
+    assert sum("is full" in r.getMessage() for r in caplog.records) == 1  # said once
+    client = MlflowClient(logger._tracking_uri)
+    assert len(client.get_metric_history(logger.run_id, "train/loss")) == 4  # MLflow got all
+
+    mirror.unlink()  # space is back
+    mirror.write_bytes(kept)
+    logger.log_metrics({"train/loss": 0.1}, step=4)
+    logger.finalize("success")
+    records, bad = read_mirror(run_dir)
+    assert bad == 0 and logger.mirror.pending == 0
+    steps = [r["step"] for r in records if r["type"] == "metrics"]
+    assert steps == [0, 1, 2, 3, 4]
+    assert [r["seq"] for r in records] == list(range(len(records)))
+
+
+def test_a_locked_sqlite_store_is_waited_for_not_abandoned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another connection holds the SQLite store's write lock past MLflow's 20 s busy timeout
+    (a real lock, `BEGIN EXCLUSIVE`): the logger retries instead of going offline, and the
+    metric lands once the lock is released."""
+    import sqlite3
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    database = tmp_path / "mlflow.db"
+    uri = f"sqlite:///{database}"
+    logger = SpecMLFlowLogger(
+        experiment_name="locked", run_dir=str(tmp_path / "r"), tracking_uri=uri
+    )
+    logger.log_metrics({"train/loss": 1.0}, step=0)  # creates the store and the run
+    holder = sqlite3.connect(database, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(21.0, lambda: holder.execute("COMMIT"))
+    release.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning_spec"):
+            logger.log_metrics({"train/loss": 0.5}, step=1)
+    finally:
+        release.join()
+        holder.close()
+    assert not logger.offline
+    assert any("locked" in r.getMessage() and "retry" in r.getMessage() for r in caplog.records)
+    history = MlflowClient(uri).get_metric_history(logger.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [0, 1]
+    logger.finalize("success")

@@ -16,6 +16,7 @@ replays the mirror into MLflow.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ __all__ = [
     "TrackingUnavailableError",
     "default_artifact_location",
     "default_tracking_uri",
+    "is_locked_error",
     "is_unreachable_error",
     "make_mlflow_logger",
     "read_mirror",
@@ -154,6 +156,19 @@ def is_unreachable_error(exc: BaseException) -> bool:
     return False
 
 
+#: Waits between attempts when a SQLite store answers "database is locked" (after MLflow's own
+#: 20 s busy timeout each time): a store busy with another process's writes is not gone.
+LOCK_RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def is_locked_error(exc: BaseException) -> bool:
+    """True when `exc` is SQLite saying another connection holds the database's lock."""
+    for error in _exception_chain(exc):
+        if type(error).__name__ == "OperationalError" and "is locked" in str(error):
+            return True
+    return False
+
+
 def _short(exc: BaseException) -> str:
     text = " ".join(f"{type(exc).__name__}: {exc}".split())
     return text if len(text) <= _REASON_LIMIT else text[: _REASON_LIMIT - 3] + "..."
@@ -200,13 +215,18 @@ class RunMirror:
     before MLflow is called; the file is opened per write, so the logger stays picklable.
     """
 
+    #: Records held in memory while the disk is full, at most (the oldest are dropped beyond).
+    MAX_PENDING = 200_000
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._next_seq: int | None = None
+        self._pending: list[str] = []  # lines not yet on disk (the disk was full)
+        self.dropped = 0  # lines lost past MAX_PENDING while the disk stayed full
 
     def _prepare(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.path.exists():
+        if not self.path.is_file():
             return 0
         last = -1
         with self.path.open("rb") as handle:
@@ -217,8 +237,7 @@ class RunMirror:
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a crash
         if data and not data.endswith(b"\n"):
-            with self.path.open("ab") as handle:  # never glue a record onto a torn line
-                handle.write(b"\n")
+            self._pending.append("\n")  # never glue a record onto a torn line
         return last + 1
 
     def write(self, kind: str, **fields: Any) -> int:
@@ -227,11 +246,65 @@ class RunMirror:
             self._next_seq = self._prepare()
         seq = self._next_seq
         record = {"seq": seq, "type": kind, "time": round(time.time(), 3), **fields}
-        line = json.dumps(record, default=_json_default, allow_nan=True)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
+        self._pending.append(json.dumps(record, default=_json_default, allow_nan=True) + "\n")
         self._next_seq = seq + 1
+        self.flush()
         return seq
+
+    @property
+    def pending(self) -> int:
+        """Records written to memory only, waiting for disk space."""
+        return len(self._pending)
+
+    def flush(self) -> bool:
+        """Append the pending lines; on a full disk (ENOSPC, EDQUOT) keep them in memory, warn
+        once per episode, and try again at the next write: a full disk must cost neither the
+        training run nor, once space returns, the mirror's records. True when all are on disk."""
+        if not self._pending:
+            return True
+        data = "".join(self._pending)
+        try:
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(data)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            self._truncate_partial()
+            if len(self._pending) > self.MAX_PENDING:
+                excess = len(self._pending) - self.MAX_PENDING
+                del self._pending[:excess]
+                self.dropped += excess
+            if not self._disk_full:
+                self._disk_full = True
+                log.error(
+                    "the disk holding %s is full (%s): training continues, %d tracking "
+                    "record(s) wait in memory and are written when space returns (free space; "
+                    "MLflow still gets every call while it is reachable)",
+                    self.path, os.strerror(error.errno), len(self._pending),
+                )  # fmt: skip
+            return False
+        if self._disk_full:
+            self._disk_full = False
+            log.warning(
+                "disk space is back: %d held tracking record(s) written", len(self._pending)
+            )
+        self._pending.clear()
+        return True
+
+    _disk_full = False
+
+    def _truncate_partial(self) -> None:
+        """After a failed append, cut a torn last line (readers skip one, but a retry would
+        append after it and make two records unreadable)."""
+        if not self.path.is_file():
+            return
+        try:
+            with self.path.open("rb+") as handle:
+                data = handle.read()
+                if data and not data.endswith(b"\n"):
+                    handle.truncate(data.rfind(b"\n") + 1)
+        except OSError:
+            pass
 
 
 def read_mirror(path: str | Path) -> tuple[list[dict[str, Any]], int]:
@@ -402,16 +475,25 @@ class SpecMLFlowLogger(MLFlowLogger):
             return None
         self._sending = seq
         try:
-            return fn(*args, **kwargs)
-        except TrackingUnavailableError:
-            raise
-        except Exception as exc:
-            if self._offline:  # `experiment` already went offline inside fn
-                return None
-            if not is_unreachable_error(exc):
-                raise
-            self._go_offline(exc, during)
-            return None
+            for attempt, delay in enumerate((*LOCK_RETRY_DELAYS, None)):
+                try:
+                    return fn(*args, **kwargs)
+                except TrackingUnavailableError:
+                    raise
+                except Exception as exc:
+                    if self._offline:  # `experiment` already went offline inside fn
+                        return None
+                    if delay is not None and is_locked_error(exc):
+                        # another process writes the SQLite store: wait, it is not gone
+                        log.info("tracking store locked while %s: retry %d in %.2f s",
+                                 during, attempt + 1, delay)  # fmt: skip
+                        time.sleep(delay)
+                        continue
+                    if not is_unreachable_error(exc):
+                        raise
+                    self._go_offline(exc, during)
+                    return None
+            return None  # pragma: no cover - the last attempt returns or raises
         finally:
             self._sending = None
 
@@ -616,6 +698,14 @@ class SpecMLFlowLogger(MLFlowLogger):
             status, status
         )
         seq = self._record("end", status=final) if self._session_started else None
+        if self.mirror.pending or self.mirror.dropped:
+            log.error(
+                "the disk stayed full: %d tracking record(s) never reached %s (%d dropped beyond "
+                "the in-memory limit); MLflow received them while it was reachable",
+                self.mirror.pending + self.mirror.dropped,
+                self.mirror_path,
+                self.mirror.dropped,
+            )
         if self._offline:
             log.info(
                 "MLflow run %s was not closed (the %s went away); its metrics are in %s; "
