@@ -230,6 +230,27 @@ def test_several_trees_side_by_side_with_a_lookup_branch(target: TargetModel) ->
         bench_runner.run_bench(target, drafter, ["chain:2", "chain:2"], {"toy": prompts})
 
 
+def test_each_drafter_under_its_own_trees(target: TargetModel) -> None:
+    """A dict of trees per drafter label (what `bench --tree auto` passes when the calibrations
+    differ): every drafter runs under its own trees only, each row named and lossless."""
+    drafters = {"eagle": Eagle3Drafter.from_target(target, seed=3),
+                "self": StandaloneDrafter.from_model(target.model)}  # fmt: skip
+    trees = {"eagle": "dynamic:2,2,4", "self": ["chain:2", "chain:3"]}
+    result = bench_runner.run_bench(
+        target, drafters, trees, {"toy": _prompts(2, seed=5)},
+        methods=["autoregressive", "speculative"], max_new_tokens=12, stop_on_eos=False,
+        warmup=0, bootstrap_resamples=50,
+    )  # fmt: skip
+    rows = {r["method"]: r for r in result["rows"] if r["category"] is None}
+    expected = {"speculative:eagle@dynamic:2,2,4", "speculative:self@chain:2",
+                "speculative:self@chain:3"}  # fmt: skip
+    assert set(rows) == {"autoregressive", *expected}
+    assert all(rows[name]["mismatches"] == 0 for name in expected)
+    assert rows["speculative:self@chain:3"]["tree"] == "chain:3"
+    with pytest.raises(ValueError, match="one entry per drafter"):
+        bench_runner.run_bench(target, drafters, {"eagle": "chain:2"}, {"toy": _prompts(1)})
+
+
 def test_sampling_marks_mismatches_not_applicable(target: TargetModel) -> None:
     drafter = StandaloneDrafter.from_model(target.model)
     result = bench_runner.run_bench(
@@ -450,7 +471,32 @@ def test_cli_tree_auto(
     both = json.loads(output.read_text())
     auto = both["config"]["calibration"]["suggestion"]["policy"]
     methods = {r["method"] for r in both["rows"]}
-    assert {f"speculative@{auto}{bench_cli.AUTO_LOOKUP}", f"speculative@{auto}+lookup:2,4"} <= methods
+    assert {
+        f"speculative@{auto}{bench_cli.AUTO_LOOKUP}",
+        f"speculative@{auto}+lookup:2,4",
+    } <= methods
+
+
+def test_cli_tree_auto_calibrates_each_drafter(
+    cli_inputs: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With several drafters, --tree auto calibrates each and benches each at its own tree."""
+    monkeypatch.setenv("LIGHTNING_SPEC_CACHE", str(tmp_path / "cache"))
+    folder, data = cli_inputs
+    output = tmp_path / "two.json"
+    assert bench_cli.main([
+        "--target", str(folder), "--drafter", "self", "--drafter", "random", "--dataset",
+        str(data), "--limit", "2", "--max-new-tokens", "8", "--tree", "auto", "--no-lookup",
+        "--calibrate-prompts", "1", "--methods", "autoregressive,speculative", "--threads",
+        "1", "--warmup", "0", "--bootstrap", "50", "--no-progress", "--output", str(output),
+    ]) == 0  # fmt: skip
+    result = json.loads(output.read_text())
+    config = result["config"]
+    assert set(config["calibrations"]) == set(config["trees_by_drafter"]) == {"self", "random"}
+    for label, trees in config["trees_by_drafter"].items():
+        assert trees == [config["calibrations"][label]["suggestion"]["policy"]]
+    assert len(list((tmp_path / "cache" / "calibration").glob("*.json"))) == 2
+    assert all(r["mismatches"] == 0 for r in result["rows"])
 
 
 def test_cli_prepack_benches_the_default_and_the_optimised_target(

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -345,7 +345,7 @@ def _method_names(methods: Sequence[str], drafter_names: Sequence[str]) -> list[
 def run_bench(
     target: Any,
     drafter: Any | dict[str, Any] | None,
-    policy: TreePolicy | str | Sequence[TreePolicy | str] | None,
+    policy: TreePolicy | str | Sequence[TreePolicy | str] | Mapping[str, Any] | None,
     datasets: dict[str, list[PromptItem]],
     *,
     methods: Sequence[str] | None = None,
@@ -365,7 +365,9 @@ def run_bench(
 
     `drafter` is one drafter (method ``speculative``) or a dict label -> drafter (methods
     ``speculative:<label>``), run under each tree of `policy` (one, or several side by side:
-    methods ``<name>@<tree spec>``); `methods` defaults to `default_methods(target)`. `datasets` maps a name to (prompt ids, meta) pairs; a meta
+    methods ``<name>@<tree spec>``), or, with `policy` a dict label -> tree(s), each drafter
+    under its own trees (methods ``speculative:<label>@<tree spec>``: `bench --tree auto` gives
+    every drafter the tree calibrated for it); `methods` defaults to `default_methods(target)`. `datasets` maps a name to (prompt ids, meta) pairs; a meta
     ``category`` gives per-category rows. Returns ``{"config", "rows", "per_prompt"}``.
     """
     if order not in ("rotate", "fixed"):
@@ -373,8 +375,13 @@ def run_bench(
     methods = default_methods(target) if methods is None else list(methods)
     if temperature < 0:
         raise ValueError("temperature must be >= 0")
-    policies = _policies(policy)
-    tree_spec = " | ".join(policies) if policies else None
+    by_label = _per_drafter_policies(policy, drafter)
+    if by_label is not None:
+        policies = {spec: p for table in by_label.values() for spec, p in table.items()}
+        tree_spec = " | ".join(f"{label}: {spec}" for label, t in by_label.items() for spec in t)
+    else:
+        policies = _policies(policy)
+        tree_spec = " | ".join(policies) if policies else None
     if drafter is None:
         drafters: dict[str, Any] = {}
     elif isinstance(drafter, dict):
@@ -383,12 +390,19 @@ def run_bench(
         drafters = {"speculative": drafter}
     if "speculative" in methods and (not drafters or not policies):
         raise ValueError("the speculative method needs a drafter and a tree policy")
-    if len(policies) > 1:  # every drafter under every tree: `<method>@<tree spec>`
-        drafters = {f"{name}@{spec}": d for name, d in drafters.items() for spec in policies}
-    method_policies = {
-        name: policies[name.rpartition("@")[2]] if len(policies) > 1 else next(iter(policies.values()))
-        for name in drafters
-    }
+    if by_label is not None:  # each drafter under its own trees
+        pairs = [(label, spec, p) for label, t in by_label.items() for spec, p in t.items()]
+        method_policies = {f"speculative:{label}@{spec}": p for label, spec, p in pairs}
+        drafters = {f"speculative:{label}@{spec}": drafter[label] for label, spec, _ in pairs}
+    else:
+        if len(policies) > 1:  # every drafter under every tree: `<method>@<tree spec>`
+            drafters = {f"{name}@{spec}": d for name, d in drafters.items() for spec in policies}
+        method_policies = {
+            name: policies[name.rpartition("@")[2]]
+            if len(policies) > 1
+            else next(iter(policies.values()))
+            for name in drafters
+        }
     names = _method_names(methods, list(drafters) if "speculative" in methods else [])
     from lightning_spec.models.packed import is_prepacked
 
@@ -497,6 +511,15 @@ def run_bench(
         seed=seed,
     )
     return clean_floats({"config": run_config, "rows": rows, "per_prompt": per_prompt})
+
+
+def _per_drafter_policies(policy: Any, drafter: Any) -> dict[str, dict[str, TreePolicy]] | None:
+    """label -> (spec -> policy) when `policy` gives each drafter its own trees, else None."""
+    if not isinstance(policy, Mapping):
+        return None
+    if not isinstance(drafter, dict) or set(policy) != set(drafter):
+        raise ValueError("per-drafter trees need exactly one entry per drafter label")
+    return {label: _policies(policy[label]) for label in drafter}
 
 
 def _policies(

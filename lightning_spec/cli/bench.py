@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         action="append",
         default=None,
-        help="chain:K, dynamic:DEPTH,TOP_K,TOTAL, static:NAME, or auto (calibrate first), each "
+        help="chain:K, dynamic:DEPTH,TOP_K,TOTAL, static:NAME, or auto (each drafter calibrated "
+        "first, each at its own tree), each "
         "optionally +lookup[:MAX_NGRAM,TOKENS] (a prompt-lookup branch at T = 0); repeat to "
         "bench several trees side by side (default chain:4); auto adds the self-tuning "
         f"prompt-lookup branch {AUTO_LOOKUP!r} (see --no-lookup)",
@@ -212,17 +213,31 @@ def main(argv: list[str] | None = None) -> int:
         "drafter": drafter_specs,
         "threads": args.threads,
     }
-    trees = args.tree or ["chain:4"]
+    trees: Any = args.tree or ["chain:4"]
     if "speculative" in methods and any(_is_auto(t) for t in trees):
-        auto, calibration = _auto_tree(args, target, drafters, datasets)
-        config["calibration"] = calibration
-        trees = [_resolve_auto(t, auto, lookup=not args.no_lookup) if _is_auto(t) else t
-                 for t in trees]  # fmt: skip
+        # Each drafter at the tree calibrated for it: drafting costs and acceptance differ
+        # between drafters (a block drafter's tree is bounded by its block), so one tree for
+        # all would favour the drafter it was calibrated on.
+        by_label, calibrations = {}, {}
+        for label, drafter in drafters.items():
+            auto, calibrations[label] = _auto_tree(args, target, {label: drafter}, datasets)
+            by_label[label] = [
+                _resolve_auto(t, auto, lookup=not args.no_lookup) if _is_auto(t) else t
+                for t in trees
+            ]
+        config["calibration"] = next(iter(calibrations.values()))
+        if len(drafters) > 1:
+            config["calibrations"] = calibrations
+            config["trees_by_drafter"] = by_label
+        distinct = {tuple(v) for v in by_label.values()}
+        trees = list(next(iter(distinct))) if len(distinct) == 1 else by_label
         print(f"bench: trees {trees}", file=sys.stderr)
+    if isinstance(trees, list):
+        trees = trees if len(trees) > 1 else trees[0]
     result = run_bench(
         target,
         (drafters if len(drafters) > 1 else next(iter(drafters.values()))) if drafters else None,
-        (trees if len(trees) > 1 else trees[0]) if "speculative" in methods else None,
+        trees if "speculative" in methods else None,
         datasets,
         methods=methods,
         max_new_tokens=args.max_new_tokens,
@@ -273,8 +288,8 @@ def _auto_tree(
     drafters: dict[str, Any],
     datasets: dict[str, list[PromptItem]],
 ) -> tuple[str, dict[str, Any]]:
-    """`--tree auto`: one policy for all drafters, from a saved, cached or fresh calibration of
-    the first drafter (the same policy for every method keeps the comparison fair).
+    """`--tree auto` for the (first) drafter of `drafters`: a policy from a saved, cached or
+    fresh calibration of it (`main` calls it once per drafter).
 
     Fresh calibrations are cached per machine, threads, dtype, prepacking, target, drafter and
     probe settings (`bench.calibration_cache`) and reused until one of those changes.
