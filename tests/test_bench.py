@@ -86,6 +86,10 @@ def test_self_drafter_is_lossless_and_commits_k_plus_one(self_result: dict) -> N
     assert overall["tree"] == "chain:3"
     assert set(overall["time_fraction"]) >= {"prefill", "draft", "verify", "update", "other"}
     assert sum(overall["time_fraction"].values()) == pytest.approx(1.0, abs=1e-3)
+    ms = overall["ms_per_step"]
+    assert set(ms) == {"draft", "verify", "update"} and ms["draft"] > 0 and ms["verify"] > 0
+    seconds = overall["time_fraction"]["draft"] * overall["seconds"]
+    assert ms["draft"] == pytest.approx(1000 * seconds / overall["verifications"], rel=1e-2)
     assert overall["speedup_vs_autoregressive"] > 0
     assert overall["speedup_vs_hf_generate_ci"] is not None
     autoregressive = next(r for r in rows if r["method"] == "autoregressive")

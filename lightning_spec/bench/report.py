@@ -200,6 +200,14 @@ def _row(
         row["time_fraction"] = {
             k: round(v / row["seconds"], 4) if row["seconds"] else None for k, v in phases.items()
         }
+        # Milliseconds per verification step by phase: a block drafter's drafting cost should
+        # not grow with the tree's depth, an EAGLE head's does.
+        steps = row["verifications"]
+        row["ms_per_step"] = {
+            k: round(1000 * v / steps, 3) if steps else None
+            for k, v in phases.items()
+            if k in ("draft", "verify", "update")
+        }
     return row
 
 
@@ -260,8 +268,9 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         "| dataset | category | method | tau [95% CI] | alpha_1.. | tok/s (median) | tok/s (total) "
         "| first token ms (median) | speedup vs autoregressive | vs HF generate "
-        "| vs HF generate (optimised target) | vs HF prompt lookup | mismatches | prompts |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs HF generate (optimised target) | vs HF prompt lookup | draft / verify ms per step "
+        "| mismatches | prompts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         alpha = row.get("alpha")
@@ -279,7 +288,8 @@ def to_markdown(result: dict[str, Any]) -> str:
             f"{_num(row.get('first_token_ms'), 0)} | "
             f"{_speedup_cell(row, 'autoregressive')} | {_speedup_cell(row, 'hf_generate')} | "
             f"{_speedup_cell(row, 'hf_generate_optimized')} | "
-            f"{_speedup_cell(row, 'hf_prompt_lookup')} | {mismatches} | {row['num_prompts']} |"
+            f"{_speedup_cell(row, 'hf_prompt_lookup')} | {_step_ms(row)} | {mismatches} | "
+            f"{row['num_prompts']} |"
         )
     mismatched = [
         (row, d)
@@ -296,6 +306,13 @@ def to_markdown(result: dict[str, Any]) -> str:
                 f"{d['top2_gap']:.2e}{' (near tie)' if d.get('near_tie') else ''}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _step_ms(row: dict[str, Any]) -> str:
+    per_step = row.get("ms_per_step") or {}
+    if per_step.get("draft") is None:
+        return "-"
+    return f"{per_step['draft']:.1f} / {_num(per_step.get('verify'), 1)}"
 
 
 def dumps_result(result: dict[str, Any]) -> str:
