@@ -624,10 +624,26 @@ class RolloutDataModule(pl.LightningDataModule):
             target.to(device)
         return target
 
-    def _barrier(self, name: str) -> None:
+    def _on_every_rank(self, what: str, work: Any) -> None:
+        """Run `work` on this rank, then agree with every rank on whether any failed (one
+        collective, which is also the barrier); on a failure every rank raises."""
+        failure: BaseException | None = None
+        try:
+            work()
+        except Exception as error:  # noqa: BLE001 - re-raised below, after the agreement
+            failure = error
         trainer = getattr(self, "trainer", None)
+        failed = failure is not None
         if trainer is not None:
-            trainer.strategy.barrier(name)
+            failed = bool(trainer.strategy.reduce_boolean_decision(failed, all=False))
+        if failure is not None:
+            raise failure
+        if failed:
+            rank, world_size = self._world()
+            raise RuntimeError(
+                f"rank {rank} of {world_size}: another rank failed while {what} (its log says "
+                "why); stopping here too rather than waiting for it at a barrier"
+            )
 
     # ------------------------------------------------------------------ stores
     def _source_identity(self) -> dict[str, Any]:
@@ -853,14 +869,16 @@ class RolloutDataModule(pl.LightningDataModule):
             return
         rank, world_size = self._world()
         if world_size > 1:
+            # Every phase ends in a collective that also says whether some rank failed: a rank
+            # that fails makes all of them stop with the reason, none waits at a barrier for a
+            # rank that is gone (30 minutes by default, then an unrelated timeout error).
             if "regenerated" in self._kinds() and not self._is_complete(self.store("regenerated")):
-                self._regenerate(rank, world_size)
-                self._barrier("regenerated")
-                if rank == 0:
-                    self._mark_regenerated()
-            if self.feature_cache_bytes > 0 and rank == 0:
-                self._cache_features()
-            self._barrier("rollouts ready")
+                self._on_every_rank("regenerating", lambda: self._regenerate(rank, world_size))
+                self._on_every_rank("marking the regeneration complete",
+                                    lambda: rank == 0 and self._mark_regenerated())  # fmt: skip
+            if self.feature_cache_bytes > 0:
+                # shared: every rank claims feature shards of its own (`data.claims`)
+                self._on_every_rank("caching features", self._cache_features)
         for kind in self._kinds():
             if not self._is_complete(self.store(kind)):
                 if world_size > 1:

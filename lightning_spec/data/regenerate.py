@@ -242,51 +242,55 @@ def regenerate(
             flush(len(buffer))
 
     start = time.perf_counter()
-    with progress_bar("regenerating", enabled=progress, unit="tok/s") as bar:
-        task = bar.add_task("prompts", total=len(pending), rate=0.0)
-        # claimed a batch at a time: processes sharing the store split the prompts between them
-        for batch in claimed_batches(
-            store.claims, pending, lambda pair: pair[0].id, size=batch_size,
-            what="regenerating", before_wait=flush_all,
-        ):  # fmt: skip
-            budget = settings.max_new_tokens
-            if max_length is not None:
-                budget = min(budget, max_length - min(len(ids) for _, ids in batch))
-            answers = generate_batch(
-                target,
-                [ids for _, ids in batch],
-                settings=settings,
-                max_new_tokens=budget,
-                pad_id=pad_id,
-                eos_ids=eos_ids,
-                seed=_batch_seed(settings.seed, [item.id for item, _ in batch]),
-            )
-            for (item, ids), (tokens, finish) in zip(batch, answers, strict=True):
-                report.new_tokens += len(tokens)
-                if max_length is not None and len(ids) + len(tokens) > max_length:
-                    tokens, finish = tokens[: max_length - len(ids)], "max_length"
-                meta: Mapping[str, Any] = {
-                    **item.meta,
-                    "prompt_tokens": len(ids),
-                    "new_tokens": len(tokens),
-                    "finish": finish,
-                }
-                buffer.append(
-                    RolloutRecord(
-                        id=item.id,
-                        input_ids=ids + tokens,
-                        loss_mask=[0] * len(ids) + [1] * len(tokens),
-                        source="regenerated",
-                        meta=dict(meta),
-                    )
+    try:
+        with progress_bar("regenerating", enabled=progress, unit="tok/s") as bar:
+            task = bar.add_task("prompts", total=len(pending), rate=0.0)
+            # claimed a batch at a time: processes sharing the store split the prompts between them
+            for batch in claimed_batches(
+                store.claims, pending, lambda pair: pair[0].id, size=batch_size,
+                what="regenerating", before_wait=flush_all,
+            ):  # fmt: skip
+                budget = settings.max_new_tokens
+                if max_length is not None:
+                    budget = min(budget, max_length - min(len(ids) for _, ids in batch))
+                answers = generate_batch(
+                    target,
+                    [ids for _, ids in batch],
+                    settings=settings,
+                    max_new_tokens=budget,
+                    pad_id=pad_id,
+                    eos_ids=eos_ids,
+                    seed=_batch_seed(settings.seed, [item.id for item, _ in batch]),
                 )
-                report.generated += 1
-            report.seconds = time.perf_counter() - start
-            bar.update(task, advance=len(batch), rate=report.tokens_per_second)
-            while len(buffer) >= records_per_shard:
-                flush(records_per_shard)
-        flush_all()
-    store.claims.release()
+                for (item, ids), (tokens, finish) in zip(batch, answers, strict=True):
+                    report.new_tokens += len(tokens)
+                    if max_length is not None and len(ids) + len(tokens) > max_length:
+                        tokens, finish = tokens[: max_length - len(ids)], "max_length"
+                    meta: Mapping[str, Any] = {
+                        **item.meta,
+                        "prompt_tokens": len(ids),
+                        "new_tokens": len(tokens),
+                        "finish": finish,
+                    }
+                    buffer.append(
+                        RolloutRecord(
+                            id=item.id,
+                            input_ids=ids + tokens,
+                            loss_mask=[0] * len(ids) + [1] * len(tokens),
+                            source="regenerated",
+                            meta=dict(meta),
+                        )
+                    )
+                    report.generated += 1
+                report.seconds = time.perf_counter() - start
+                bar.update(task, advance=len(batch), rate=report.tokens_per_second)
+                while len(buffer) >= records_per_shard:
+                    flush(records_per_shard)
+            flush_all()
+    finally:
+        # also on an error: a claim left behind would make every other writer (another
+        # DDP rank) wait for this live process, which waits for them at a collective
+        store.claims.release()
     report.seconds = time.perf_counter() - start
     log.info(
         "regeneration (rank %d/%d): %d answers, %d new tokens in %.1f s (%.1f tok/s), "
@@ -367,60 +371,64 @@ def cache_features(
     written = 0
     total_records = sum(len(entry[1]) for entry in plan)
     full = False
-    with progress_bar("caching features", enabled=progress, unit="tok/s") as bar:
-        task = bar.add_task("conversations", total=total_records, rate=0.0)
-        start, tokens = time.perf_counter(), 0
-        # one feature shard at a time, claimed: processes sharing the store split the shards
-        for (entry,) in claimed_batches(
-            store.claims, plan, claim_key, size=1, what="caching features"
-        ):
-            info, records, have = entry
-            if full:  # the cap was reached: leave the rest (and let others stop waiting)
-                store.claims.finish([claim_key(entry)])
-                continue
-            features = dict(have["features"])
-            last_hidden = dict(have["last_hidden"])
-            argmax = dict(have["target_argmax"])
-            order = sorted(range(len(records)), key=lambda i: len(records[i]))
-            for lo in range(0, len(order), batch_size):
-                batch = [records[i] for i in order[lo : lo + batch_size]]
-                width = max(len(r) for r in batch)
-                input_ids = torch.zeros((len(batch), width), dtype=torch.long)
-                attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-                for row, record in enumerate(batch):
-                    input_ids[row, : len(record)] = torch.tensor(record.input_ids)
-                    attention_mask[row, : len(record)] = 1
-                output = target(
-                    input_ids.to(target.device),
-                    attention_mask=attention_mask.to(target.device),
-                    use_cache=False,
-                    logits_to_keep=1,  # the argmax below comes chunked: no [B, T, V] logits
+    try:
+        with progress_bar("caching features", enabled=progress, unit="tok/s") as bar:
+            task = bar.add_task("conversations", total=total_records, rate=0.0)
+            start, tokens = time.perf_counter(), 0
+            # one feature shard at a time, claimed: processes sharing the store split the shards
+            for (entry,) in claimed_batches(
+                store.claims, plan, claim_key, size=1, what="caching features"
+            ):
+                info, records, have = entry
+                if full:  # the cap was reached: leave the rest (and let others stop waiting)
+                    store.claims.finish([claim_key(entry)])
+                    continue
+                features = dict(have["features"])
+                last_hidden = dict(have["last_hidden"])
+                argmax = dict(have["target_argmax"])
+                order = sorted(range(len(records)), key=lambda i: len(records[i]))
+                for lo in range(0, len(order), batch_size):
+                    batch = [records[i] for i in order[lo : lo + batch_size]]
+                    width = max(len(r) for r in batch)
+                    input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+                    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+                    for row, record in enumerate(batch):
+                        input_ids[row, : len(record)] = torch.tensor(record.input_ids)
+                        attention_mask[row, : len(record)] = 1
+                    output = target(
+                        input_ids.to(target.device),
+                        attention_mask=attention_mask.to(target.device),
+                        use_cache=False,
+                        logits_to_keep=1,  # the argmax below comes chunked: no [B, T, V] logits
+                    )
+                    batch_argmax = target.head_argmax(output.last_hidden)
+                    for row, record in enumerate(batch):
+                        features[record.id] = output.features[row, : len(record)].to("cpu")
+                        last_hidden[record.id] = output.last_hidden[row, : len(record)].to("cpu")
+                        argmax[record.id] = batch_argmax[row, : len(record)].to("cpu")
+                        tokens += len(record)
+                    rate = tokens / max(time.perf_counter() - start, 1e-9)
+                    bar.update(task, advance=len(batch), rate=rate)
+                stored = store.write_features(
+                    info.name,
+                    features,
+                    feature_config=config,
+                    cap_bytes=cap_bytes,
+                    last_hidden=last_hidden,
+                    target_argmax=argmax,
                 )
-                batch_argmax = target.head_argmax(output.last_hidden)
-                for row, record in enumerate(batch):
-                    features[record.id] = output.features[row, : len(record)].to("cpu")
-                    last_hidden[record.id] = output.last_hidden[row, : len(record)].to("cpu")
-                    argmax[record.id] = batch_argmax[row, : len(record)].to("cpu")
-                    tokens += len(record)
-                rate = tokens / max(time.perf_counter() - start, 1e-9)
-                bar.update(task, advance=len(batch), rate=rate)
-            stored = store.write_features(
-                info.name,
-                features,
-                feature_config=config,
-                cap_bytes=cap_bytes,
-                last_hidden=last_hidden,
-                target_argmax=argmax,
-            )
-            store.claims.finish([claim_key(entry)])
-            if not stored:
-                full = True
-                continue
-            written += sum(
-                int(f.numel()) * 2
-                for rid in features
-                if rid not in have["features"]
-                for f in (features[rid], last_hidden[rid])
-            )
-    store.claims.release()
+                store.claims.finish([claim_key(entry)])
+                if not stored:
+                    full = True
+                    continue
+                written += sum(
+                    int(f.numel()) * 2
+                    for rid in features
+                    if rid not in have["features"]
+                    for f in (features[rid], last_hidden[rid])
+                )
+    finally:
+        # also on an error: a claim left behind would make every other writer (another
+        # DDP rank) wait for this live process, which waits for them at a collective
+        store.claims.release()
     return written
