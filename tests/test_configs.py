@@ -48,11 +48,46 @@ def test_config_instantiates(path: Path, tiny_cli_assets: dict[str, str], tmp_pa
         f"--trainer.logger.init_args.run_dir={tmp_path / 'run'}",
         "--trainer.accelerator=cpu",
     ]
+    if _uses_fsdp(path):  # FSDP needs CUDA: its strategy is checked on its own below
+        overrides += [
+            "--trainer.strategy=auto",
+            "--trainer.devices=1",
+            "--trainer.precision=32-true",
+        ]
     cli = lightning_cli(["--config", str(path), *overrides], run=False)
     assert isinstance(cli.model, LightningModule)
     assert isinstance(cli.datamodule, LightningDataModule)
     assert isinstance(cli.trainer, Trainer)
     assert cli.trainer.callbacks, "configs attach the acceptance/checkpoint callbacks"
+
+
+def _uses_fsdp(path: Path) -> bool:
+    strategy = (yaml.safe_load(path.read_text()).get("trainer") or {}).get("strategy")
+    return isinstance(strategy, dict) and "FSDP" in str(strategy.get("class_path"))
+
+
+FSDP_CONFIGS = [p for p in CONFIGS if _uses_fsdp(p)]
+
+
+@pytest.mark.parametrize("path", FSDP_CONFIGS, ids=lambda p: p.name)
+def test_fsdp_strategy_instantiates_with_its_wrap_policy(path: Path) -> None:
+    """The FSDP block of a GPU config builds the real `FSDPStrategy` (what the Trainer gets on
+    a CUDA machine), with the wrap policy resolved to the target's decoder-layer class."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=FSDPStrategy)
+    block = yaml.safe_load(path.read_text())["trainer"]["strategy"]
+    config = parser.parse_object({"strategy": block})
+    strategy = parser.instantiate_classes(config).strategy
+    assert isinstance(strategy, FSDPStrategy)
+    policy = strategy.kwargs.get("auto_wrap_policy") or getattr(strategy, "auto_wrap_policy", None)
+    assert isinstance(policy, ModuleWrapPolicy)
+    assert {cls.__name__ for cls in policy._module_classes} == {"LlamaDecoderLayer"}
+    assert strategy.kwargs["use_orig_params"] is True  # frozen target + trained drafter
+    assert strategy.sharding_strategy.name == "FULL_SHARD"
 
 
 def _tiny_drafter(assets: dict[str, str], root: Path) -> Path:
