@@ -268,8 +268,9 @@ class LengthBucketBatchSampler(BatchSampler):
     Per epoch: shuffle the epoch's items with a generator seeded by (seed, epoch), cut them into
     chunks of ``batch_size * bucket_batches``, sort each chunk by length, cut it into batches and
     shuffle the batches. Without shuffling, batches are consecutive runs of the length-sorted
-    items. Under DDP the batch list is padded (repeating its head) to a multiple of the world
-    size and rank r takes batches r, r + W, ...: every rank runs the same number of steps.
+    items. Under DDP the epoch is cut into global batches of ``batch_size * W`` (as one process
+    with that batch size would cut it) and rank r takes the r-th slice of each: every rank runs
+    the same number of steps, and together they train on one process's global batches.
 
     ``sampler`` exists for Lightning, which re-creates a custom batch sampler with a
     DistributedSampler as ``sampler`` under DDP: only its ``rank``, ``num_replicas`` and
@@ -317,12 +318,13 @@ class LengthBucketBatchSampler(BatchSampler):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
-    def _all_batches(self, epoch: int) -> list[list[int]]:
+    def _all_batches(self, epoch: int, batch_size: int | None = None) -> list[list[int]]:
+        size = int(batch_size or self.batch_size)
         items = self.plan.items(epoch)
         if self.shuffle:
             rng = np.random.default_rng([self.seed, epoch])
             items = items[rng.permutation(len(items))]
-            chunk = self.batch_size * self.bucket_batches
+            chunk = size * self.bucket_batches
         else:
             items = np.sort(items)
             chunk = max(len(items), 1)
@@ -330,9 +332,9 @@ class LengthBucketBatchSampler(BatchSampler):
         for lo in range(0, len(items), chunk):
             part = items[lo : lo + chunk]
             part = part[np.argsort(-self.lengths[part], kind="stable")]
-            for b in range(0, len(part), self.batch_size):
-                batch = part[b : b + self.batch_size]
-                if len(batch) < self.batch_size and self.drop_last:
+            for b in range(0, len(part), size):
+                batch = part[b : b + size]
+                if len(batch) < size and self.drop_last:
                     continue
                 batches.append([int(i) for i in batch])
         if self.shuffle:
@@ -341,14 +343,26 @@ class LengthBucketBatchSampler(BatchSampler):
         return batches
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of ``epoch``, in order."""
-        batches = self._all_batches(epoch)
+        """This rank's batches of ``epoch``, in order.
+
+        Under DDP the epoch is cut into global batches of ``batch_size * world`` exactly as one
+        process with that batch size would cut it, and rank r takes slice r of each: a step of
+        W ranks trains on the very records one process with the global batch would (tested:
+        the same loss curve). A short last global batch is filled from the epoch's first
+        records, so every rank has a full batch and the same step count."""
         world = self.num_replicas
-        if world > 1 and batches:
-            extra = (-len(batches)) % world
-            batches = batches + [batches[i % len(batches)] for i in range(extra)]
-            batches = batches[self.rank :: world]
-        return batches
+        if world == 1:
+            return self._all_batches(epoch)
+        size = self.batch_size
+        global_batches = self._all_batches(epoch, size * world)
+        if not global_batches:
+            return []
+        head = [i for batch in global_batches for i in batch]
+        last = global_batches[-1]
+        if len(last) < size * world and not self.drop_last:
+            fill = [head[k % len(head)] for k in range(size * world - len(last))]
+            global_batches[-1] = last + fill
+        return [batch[self.rank * size : (self.rank + 1) * size] for batch in global_batches]
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self.epoch
@@ -363,10 +377,8 @@ class LengthBucketBatchSampler(BatchSampler):
             yield batch
 
     def __len__(self) -> int:
-        count = len(self.plan)
-        full, rest = divmod(count, self.batch_size)
-        batches = full + (1 if rest and not self.drop_last else 0)
-        return -(-batches // self.num_replicas)
+        full, rest = divmod(len(self.plan), self.batch_size * self.num_replicas)
+        return full + (1 if rest and not self.drop_last else 0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -394,7 +394,8 @@ def test_fit_resumed_from_a_checkpoint_sees_the_same_batches(
 
 def test_ddp_ranks_partition_each_epoch(data: Path, tmp_path: Path, chat_tokenizer) -> None:
     """Lightning re-creates a custom batch sampler with a DistributedSampler as ``sampler``
-    under DDP; each rank then takes its own batches, and all ranks run the same step count."""
+    under DDP; each rank then takes its slice of each global batch (what one process with the
+    global batch size would train on), and all ranks run the same step count."""
     from lightning.fabric.utilities.data import _replace_dunder_methods
     from lightning.pytorch.utilities.data import _update_dataloader
     from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
@@ -402,7 +403,6 @@ def test_ddp_ranks_partition_each_epoch(data: Path, tmp_path: Path, chat_tokeniz
     module = _module(data, tmp_path, chat_tokenizer, val_fraction=0.0)
     with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
         loader = module.train_dataloader()
-    single = [sorted(b) for b in _ids(loader)]
     per_rank = []
     for rank in (0, 1):
         sampler = DistributedSampler(loader.dataset, num_replicas=2, rank=rank, shuffle=True)
@@ -412,8 +412,20 @@ def test_ddp_ranks_partition_each_epoch(data: Path, tmp_path: Path, chat_tokeniz
         rank_loader.batch_sampler.sampler.set_epoch(0)  # what Lightning calls
         per_rank.append([sorted(b) for b in _ids(rank_loader)])
         assert len(per_rank[-1]) == len(rank_loader)
-    assert len(per_rank[0]) == len(per_rank[1]) == (len(single) + 1) // 2
-    assert sorted(per_rank[0] + per_rank[1]) == sorted(single + single[: len(single) % 2])
+    # step k of the two ranks together = global batch k of one process with twice the batch
+    module_global = _module(data, tmp_path / "g", chat_tokenizer, val_fraction=0.0, batch_size=8)
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        global_loader = module_global.train_dataloader()
+    global_batches = [sorted(b) for b in _ids(global_loader)]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(global_batches)
+    assert all(len(b) == 4 for b in per_rank[0] + per_rank[1])  # full batches on every rank
+    flat = {i for b in global_batches for i in b}
+    for step, batch in enumerate(global_batches):
+        together = sorted(per_rank[0][step] + per_rank[1][step])
+        if len(batch) == 8:
+            assert together == batch
+        else:  # the short last global batch, filled from the epoch's first records
+            assert set(batch) <= set(together) <= flat
 
 
 def test_epoch_plan_groups() -> None:
