@@ -62,6 +62,8 @@ Entry = tuple[RolloutRecord, Tensor | None, Tensor | None, Tensor | None]
 """A record with its cached features [T, F], final hidden states [T, H] and target argmax [T]
 (None if absent)."""
 DEFAULT_RECORDS_PER_SHARD = 256
+#: Target specs naming the embedded default (SmolLM2-135M-Instruct from its pinned asset).
+EMBEDDED_TARGETS = ("smollm2", "default")
 
 
 # --------------------------------------------------------------------------------------------
@@ -539,7 +541,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self._prompts: list[list[int]] = []
         self._tokenizer: Any = None
         self._target_model: Any = None
-        self._target_id = str(target)
+        self._target_spec = str(target)
+        self._target_key: str | None = None
+        self._source_sha256: str | None = None
         self._conversations: list[tuple[int, Any]] | None = None
         self._source_count = 0
         self._stores: dict[str, RolloutStore] = {}
@@ -658,23 +662,44 @@ class RolloutDataModule(pl.LightningDataModule):
             )
 
     # ------------------------------------------------------------------ stores
-    def _source_identity(self) -> dict[str, Any]:
+    def _source_identity(self, legacy: bool = False) -> dict[str, Any]:
+        """A data file by its content (sha256), so a moved or edited file keys the right store;
+        a packaged source (``sharegpt``, ...) by its name: its content is pinned by the asset
+        manifest's sha256."""
         path = Path(self.dataset).expanduser()
         if path.is_file():
-            stat = path.stat()
-            return {"spec": str(path.resolve()), "bytes": stat.st_size}
+            if legacy:
+                return {"spec": str(path.resolve()), "bytes": path.stat().st_size}
+            if self._source_sha256 is None:
+                from lightning_spec.io import sha256_file
+
+                self._source_sha256 = sha256_file(path)
+            return {"sha256": self._source_sha256}
         return {"spec": self.dataset.strip().lower()}
 
-    def store_config(self, kind: str) -> dict[str, Any]:
+    @property
+    def _target_id(self) -> str:
+        """The target as cache keys name it: the embedded default by name (its weights are
+        pinned by the asset manifest's sha256), any other by a fingerprint of its weights, so
+        a target retrained in place never reuses stale answers or features."""
+        if self._target_spec in EMBEDDED_TARGETS:
+            return "smollm2"
+        if self._target_key is None:
+            from lightning_spec.models.fingerprint import cached_target_fingerprint
+
+            self._target_key = f"weights:{cached_target_fingerprint(self.target_model)['weights']}"
+        return self._target_key
+
+    def store_config(self, kind: str, *, legacy: bool = False) -> dict[str, Any]:
         """What owns the shards of ``kind``; its hash names the default cache directory."""
         config: dict[str, Any] = {
             "kind": kind,
-            "tokenizer": tokenizer_fingerprint(self.tokenizer),
-            "source": self._source_identity(),
+            "tokenizer": tokenizer_fingerprint(self.tokenizer, legacy=legacy),
+            "source": self._source_identity(legacy=legacy),
             "max_length": self.max_length,
         }
         if kind == "regenerated":
-            config["target"] = self._target_id
+            config["target"] = self._target_spec if legacy else self._target_id
             config["target_dtype"] = self.target_dtype
             config["generation"] = self._generation_settings().as_config()
         return config
@@ -685,7 +710,26 @@ class RolloutDataModule(pl.LightningDataModule):
         from lightning_spec.data.assets import cache_root
         from lightning_spec.data.rollouts import config_hash
 
-        return cache_root() / "rollouts" / f"{kind}-{config_hash(self.store_config(kind))}"
+        root = cache_root() / "rollouts"
+        folder = root / f"{kind}-{config_hash(self.store_config(kind))}"
+        if not folder.exists() and self._adopts_legacy_stores():
+            # Stores made before the content-keyed names, for the embedded default target and
+            # a packaged source: their content is what this key names, so they are renamed,
+            # not recomputed (hours of cached features on a CPU).
+            legacy = root / f"{kind}-{config_hash(self.store_config(kind, legacy=True))}"
+            if legacy.is_dir():
+                try:
+                    legacy.rename(folder)
+                    log.info("%s store adopted under its content-keyed name: %s", kind, folder)
+                except OSError as error:  # another process adopted it first, or no rights
+                    if not folder.exists():
+                        log.warning("could not adopt %s (%s): it is rebuilt", legacy, error)
+        return folder
+
+    def _adopts_legacy_stores(self) -> bool:
+        return (
+            self._target_spec in EMBEDDED_TARGETS and not Path(self.dataset).expanduser().exists()
+        )
 
     def store(self, kind: str) -> RolloutStore:
         """The shard store of ``kind`` (``dataset`` or ``regenerated``)."""

@@ -314,13 +314,24 @@ def config_hash(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
-    """What identifies a tokenizer for caching: its name, size, specials and chat template."""
+def tokenizer_fingerprint(tokenizer: Any, *, legacy: bool = False) -> dict[str, Any]:
+    """What identifies a tokenizer for caching: its vocabulary's content hash, size, specials
+    and chat template, so a tokenizer reached through another path (moved, symlinked, mounted
+    elsewhere) keys the same caches and one changed in place keys new ones. ``legacy`` gives
+    the key of earlier versions (the tokenizer's name or path instead of its vocabulary), which
+    `RolloutDataModule.store_dir` uses to adopt stores made by them for the embedded default."""
+    from lightning_spec.models.fingerprint import tokenizer_vocab_fingerprint
+
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):
         template = json.dumps(template, sort_keys=True)
+    identity = (
+        {"name": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)}
+        if legacy
+        else {"vocab_sha256": tokenizer_vocab_fingerprint(tokenizer)}
+    )
     fingerprint = {
-        "name": str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__),
+        **identity,
         "size": len(tokenizer),
         "eos": getattr(tokenizer, "eos_token", None),
         "pad": getattr(tokenizer, "pad_token", None),

@@ -24,6 +24,7 @@ __all__ = [
     "check_drafter_target",
     "fingerprint_differences",
     "target_fingerprint",
+    "tokenizer_vocab_fingerprint",
     "weights_fingerprint",
 ]
 
@@ -42,7 +43,8 @@ def weights_fingerprint(module: nn.Module) -> str:
     return digest.hexdigest()[:32]
 
 
-def _tokenizer_fingerprint(tokenizer: Any) -> str | None:
+def tokenizer_vocab_fingerprint(tokenizer: Any) -> str | None:
+    """sha256 (32 hex) of the tokenizer's vocabulary (token -> id): its content, not its path."""
     if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
         return None
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
@@ -60,7 +62,7 @@ def target_fingerprint(target: Any) -> dict[str, Any]:
         "num_layers": int(getattr(text, "num_hidden_layers", 0) or 0),
         "feature_layers": [int(i) for i in target.feature_layers],
         "weights": weights_fingerprint(target.model),
-        "tokenizer": _tokenizer_fingerprint(target.tokenizer),
+        "tokenizer": tokenizer_vocab_fingerprint(target.tokenizer),
     }
 
 

@@ -241,6 +241,23 @@ def _slug(text: str) -> str:
     return f"{cleaned}-{digest}"
 
 
+def _vocab_counts_key(target: TargetModel, source: str) -> str:
+    """What the counts depend on, by content: the tokenizer's vocabulary and chat format (not
+    the target's name or path), and the source (a file by its sha256, a packaged one by name)."""
+    from lightning_spec.data.chat import text_format_of
+    from lightning_spec.io import sha256_file
+    from lightning_spec.models.fingerprint import tokenizer_vocab_fingerprint
+
+    template = str(getattr(target.tokenizer, "chat_template", None) or "")
+    tokenizer = hashlib.sha256(
+        f"{tokenizer_vocab_fingerprint(target.tokenizer)}|{text_format_of(target.tokenizer)}|"
+        f"{template}".encode()
+    ).hexdigest()[:16]
+    path = Path(source).expanduser()
+    data = sha256_file(path)[:16] if path.is_file() else _slug(source.strip().lower())
+    return f"v{target.vocab_size}-tok{tokenizer}-{data}"
+
+
 def draft_token_counts(
     target: TargetModel,
     *,
@@ -264,7 +281,7 @@ def draft_token_counts(
             "counting draft-vocabulary tokens needs the target's tokenizer; this target has none "
             "(set draft_vocab_size to the target vocabulary or pass drafter_init)"
         )
-    name = f"{_slug(target.name)}-v{target.vocab_size}-{_slug(source)}-{conversations}.pt"
+    name = f"{_vocab_counts_key(target, source)}-{conversations}.pt"
     path = cache_root(cache_dir) / "vocab" / name
     if path.is_file():
         return torch.load(path, map_location="cpu")

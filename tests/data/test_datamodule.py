@@ -508,3 +508,72 @@ def test_sharegpt_with_smollm2_masks_assistant_tokens_only(tmp_path: Path) -> No
                     if mask[start] and not mask[start - 1]:
                         header = tokenizer.decode(tokens[max(0, start - 3) : start])
                         assert header.endswith("assistant\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Cache keys by content (issue 20)
+# --------------------------------------------------------------------------------------------
+
+
+def test_store_keys_follow_content_not_paths(data: Path, tmp_path: Path, chat_tokenizer) -> None:
+    """A data file moved (or reached through a symlink) and a tokenizer saved elsewhere key the
+    same stores; the file edited in place, or a target retrained in place, key new ones."""
+    from lightning_spec.data.rollouts import config_hash
+    from tests.data.conftest import make_tiny_target
+
+    def key(dataset: Path, tokenizer, target=None, kind: str = "dataset") -> str:  # noqa: ANN001
+        module = RolloutDataModule.from_objects(
+            tokenizer=tokenizer, target_model=target, dataset=str(dataset),
+            target=str(tmp_path / "target-folder"), progress=False,
+        )  # fmt: skip
+        return config_hash(module.store_config(kind))
+
+    moved = tmp_path / "elsewhere" / "moved.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(data.read_bytes())
+    linked = tmp_path / "linked.jsonl"
+    linked.symlink_to(moved)
+    chat_tokenizer.save_pretrained(tmp_path / "tok")
+    reloaded = type(chat_tokenizer).from_pretrained(tmp_path / "tok")
+    reloaded.chat_template = chat_tokenizer.chat_template
+    reloaded.name_or_path = str(tmp_path / "tok")  # another path, the same vocabulary
+    first = key(data, chat_tokenizer)
+    assert key(moved, chat_tokenizer) == key(linked, chat_tokenizer) == first
+    assert key(data, reloaded) == first
+    edited = tmp_path / "edited.jsonl"
+    edited.write_bytes(data.read_bytes())
+    with open(edited, "a", encoding="utf-8") as handle:
+        handle.write(data.read_text().splitlines()[0] + "\n")
+    assert key(edited, chat_tokenizer) != first
+
+    target = make_tiny_target(chat_tokenizer, seed=0)
+    before = key(data, chat_tokenizer, target, "regenerated")
+    retrained = make_tiny_target(chat_tokenizer, seed=1)  # the same folder, new weights
+    assert key(data, chat_tokenizer, retrained, "regenerated") != before
+
+
+def test_stores_of_the_embedded_default_are_adopted_not_recomputed(
+    tmp_path: Path, chat_tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores made before the content-keyed names, for the embedded default target and a
+    packaged source (content pinned by the asset manifest), are renamed to the new key."""
+    from lightning_spec.data.rollouts import config_hash
+
+    monkeypatch.setenv("LIGHTNING_SPEC_CACHE", str(tmp_path / "cache"))
+    module = RolloutDataModule.from_objects(
+        tokenizer=chat_tokenizer, dataset="mtbench", target="smollm2", progress=False
+    )
+    root = tmp_path / "cache" / "rollouts"
+    legacy = root / f"dataset-{config_hash(module.store_config('dataset', legacy=True))}"
+    legacy.mkdir(parents=True)
+    (legacy / "manifest.json").write_text("{}")
+    adopted = module.store_dir("dataset")
+    assert adopted != legacy and not legacy.exists()
+    assert (adopted / "manifest.json").read_text() == "{}"
+    # any other target is keyed by its weights, and its old stores are not taken over
+    other = RolloutDataModule.from_objects(
+        tokenizer=chat_tokenizer, dataset="mtbench", target="some/other-model", progress=False
+    )
+    old = root / f"dataset-{config_hash(other.store_config('dataset', legacy=True))}"
+    old.mkdir()
+    assert other.store_dir("dataset") != old and old.exists()

@@ -60,7 +60,11 @@ def _module(tmp_path: Path, chats: Path, tokenizer, target) -> RolloutDataModule
 def _objective(target) -> Recording:  # noqa: ANN001
     torch.manual_seed(0)
     drafter = Eagle3Drafter.from_target(target)
-    return Recording.from_objects(target, drafter, ttt_steps=2, warmup_steps=1, lr=1e-3)
+    # one schedule for the 5-step, the 3-step and the resumed run (the cosine's length would
+    # otherwise follow each run's max_steps, and a resume restores the shorter one)
+    return Recording.from_objects(
+        target, drafter, ttt_steps=2, warmup_steps=1, lr=1e-3, max_steps_for_schedule=100
+    )
 
 
 def _trainer(tmp_path: Path, max_steps: int, callbacks: list) -> pl.Trainer:
