@@ -559,6 +559,8 @@ def test_generate_cli_plain_decoding_on_the_prepacked_target(
     assert "speculative output equals it" in capsys.readouterr().out
     zero = ["--target", str(folder), "--prompt", "w5", "--max-new-tokens", "0"]
     assert generate_cli.main(zero) == 0  # nothing generated is no mismatch
+    out = capsys.readouterr().out
+    assert "tau = n/a" in out and "speculative output equals it" in out
 
 
 # ------------------------------------------------------------------------------ real SmolLM2

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     print(target.tokenizer.decode(result.tokens, skip_special_tokens=True).strip())
     print(
         f"\n[{len(result.tokens)} tokens in {result.total_seconds:.2f} s, "
-        f"{result.num_verifications} verifications, tau = {result.tau:.2f} "
+        f"{result.num_verifications} verifications, tau = "
+        f"{'n/a' if not result.num_verifications else f'{result.tau:.2f}'} "
         f"(tokens committed per verification), drafter={args.drafter}, tree={args.tree}]"
     )
     if args.temperature == 0 and not args.no_check:

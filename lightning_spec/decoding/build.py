@@ -571,7 +571,11 @@ def parse_tree_spec(spec: str) -> TreePolicy:
     prompt-lookup branch grafted at T = 0, `decoding.lookup`; defaults 3, 8 and 0)."""
     base, plus, extra = spec.partition("+")
     if plus:
-        return _lookup_policy(parse_tree_spec(base), extra.strip(), spec)
+        try:
+            tree = parse_tree_spec(base)
+        except ValueError as error:  # quote the whole spec the user wrote, not its first part
+            raise ValueError(f"bad tree spec {spec!r}: its tree part: {error}") from error
+        return _lookup_policy(tree, extra.strip(), spec)
     kind, sep, args = spec.strip().partition(":")
     kind, args = kind.strip().lower(), args.strip()
     usage = (
