@@ -223,6 +223,7 @@ class RunMirror:
         self._next_seq: int | None = None
         self._pending: list[str] = []  # lines not yet on disk (the disk was full)
         self.dropped = 0  # lines lost past MAX_PENDING while the disk stayed full
+        self._disk_full = False  # inside a full-disk episode (warned once per episode)
 
     def _prepare(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -290,8 +291,6 @@ class RunMirror:
             )
         self._pending.clear()
         return True
-
-    _disk_full = False
 
     def _truncate_partial(self) -> None:
         """After a failed append, cut a torn last line (readers skip one, but a retry would
