@@ -68,15 +68,27 @@ def test_claimed_batches_wait_for_others_then_end(tmp_path: Path) -> None:
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     import lightning_spec.data.chat as chat
     from lightning_spec.data.datamodule import RolloutDataModule
 
     model, chats, cache, go = sys.argv[1:5]
     real = chat.render_conversation
+    meet = Path(go).parent / "meet"
+    met = []
 
-    def slow(*args, **kwargs):  # rendering slow enough for the two processes to overlap
+    def slow(*args, **kwargs):
+        # The first render of each process waits until the other holds a claim too, so the
+        # two overlap however the scheduler orders their start-up (a fixed sleep did not:
+        # on a busy 2-core machine one process sometimes rendered everything first).
+        if not met:
+            meet.mkdir(exist_ok=True)
+            (meet / str(os.getpid())).write_text("claimed")
+            deadline = time.monotonic() + 120
+            while len(list(meet.iterdir())) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            met.append(True)
         time.sleep(0.02)
         return real(*args, **kwargs)
 
