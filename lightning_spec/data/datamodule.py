@@ -711,20 +711,38 @@ class RolloutDataModule(pl.LightningDataModule):
         from lightning_spec.data.rollouts import config_hash
 
         root = cache_root() / "rollouts"
-        folder = root / f"{kind}-{config_hash(self.store_config(kind))}"
-        if not folder.exists() and self._adopts_legacy_stores():
-            # Stores made before the content-keyed names, for the embedded default target and
-            # a packaged source: their content is what this key names, so they are renamed,
-            # not recomputed (hours of cached features on a CPU).
-            legacy = root / f"{kind}-{config_hash(self.store_config(kind, legacy=True))}"
-            if legacy.is_dir():
-                try:
-                    legacy.rename(folder)
-                    log.info("%s store adopted under its content-keyed name: %s", kind, folder)
-                except OSError as error:  # another process adopted it first, or no rights
-                    if not folder.exists():
-                        log.warning("could not adopt %s (%s): it is rebuilt", legacy, error)
+        config = self.store_config(kind)
+        folder = root / f"{kind}-{config_hash(config)}"
+        if self._adopts_legacy_stores():
+            self._adopt_legacy_store(kind, root, folder, config)
         return folder
+
+    def _adopt_legacy_store(
+        self, kind: str, root: Path, folder: Path, config: dict[str, Any]
+    ) -> None:
+        """Stores made before the content-keyed names, for the embedded default target and a
+        packaged source: their content is what the new key names, so they are rekeyed and
+        renamed, not recomputed (hours of cached features on a CPU). The manifest is rekeyed
+        before the rename, so a kill in between leaves a store the next run finishes adopting;
+        a folder renamed by an earlier version without its manifest is rekeyed in place."""
+        from lightning_spec.data.rollouts import config_hash, rekey_store
+
+        old_hash = config_hash(self.store_config(kind, legacy=True))
+        if folder.is_dir():
+            rekey_store(folder, old_hash, config)  # a no-op unless an earlier version renamed it alone
+            return
+        legacy = root / f"{kind}-{old_hash}"
+        if not legacy.is_dir():
+            return
+        try:
+            if not rekey_store(legacy, old_hash, config):
+                log.warning("%s is not a store of this configuration: left as it is", legacy)
+                return
+            legacy.rename(folder)
+            log.info("%s store adopted under its content-keyed name: %s", kind, folder)
+        except OSError as error:  # another process adopted it first, or no rights
+            if not folder.exists():
+                log.warning("could not adopt %s (%s): it is rebuilt", legacy, error)
 
     def _adopts_legacy_stores(self) -> bool:
         return (

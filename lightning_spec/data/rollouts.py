@@ -346,6 +346,32 @@ def tokenizer_fingerprint(tokenizer: Any, *, legacy: bool = False) -> dict[str, 
     return fingerprint
 
 
+def rekey_store(directory: Path, old_hash: str, config: Mapping[str, Any]) -> bool:
+    """Rewrite the owning configuration of the store in ``directory`` from ``old_hash`` to
+    ``config``, in place and atomically, so a store adopted under a new cache key opens
+    under it. Idempotent (already rekeyed: True); a store owned by anything else is left
+    alone (False). Why: renaming a folder without its manifest left a store that refused
+    itself as "made under another configuration"."""
+    path = directory / MANIFEST
+    new_hash = config_hash(config)
+    with file_lock(directory / ".lock", timeout=STORE_LOCK_TIMEOUT):
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False
+        if not isinstance(manifest, dict):
+            return False
+        if manifest.get("config_hash") == new_hash:
+            return True
+        if manifest.get("config_hash") != old_hash:
+            return False
+        manifest["config"], manifest["config_hash"] = dict(config), new_hash
+        manifest.setdefault("rekeyed_from", old_hash)
+        manifest["updated"] = _now()
+        atomic_write_json(path, manifest)
+    return True
+
+
 def _diff_keys(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     keys = sorted(set(old) | set(new))
     return [k for k in keys if config_hash({"v": old.get(k)}) != config_hash({"v": new.get(k)})]

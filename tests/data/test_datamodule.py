@@ -4,6 +4,7 @@ sharding as Lightning re-creates the batch sampler, and (slow) real ShareGPT wit
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from lightning_spec.data.datamodule import (
     collate_records,
     split_ids,
 )
-from lightning_spec.data.rollouts import ConfigMismatchError
+from lightning_spec.data.rollouts import ConfigMismatchError, RolloutRecord, RolloutStore
 
 
 @pytest.fixture()
@@ -564,12 +565,21 @@ def test_stores_of_the_embedded_default_are_adopted_not_recomputed(
         tokenizer=chat_tokenizer, dataset="mtbench", target="smollm2", progress=False
     )
     root = tmp_path / "cache" / "rollouts"
-    legacy = root / f"dataset-{config_hash(module.store_config('dataset', legacy=True))}"
-    legacy.mkdir(parents=True)
-    (legacy / "manifest.json").write_text("{}")
-    adopted = module.store_dir("dataset")
-    assert adopted != legacy and not legacy.exists()
-    assert (adopted / "manifest.json").read_text() == "{}"
+    old_config = module.store_config("dataset", legacy=True)
+    legacy = root / f"dataset-{config_hash(old_config)}"
+    made = RolloutStore(legacy, old_config, prefix="dataset")  # a real store, old key
+    made.write_shard([RolloutRecord("r0", [1, 2, 3], [0, 1, 1], "dataset", {})])
+    adopted = module.store("dataset")
+    assert adopted.directory != legacy and not legacy.exists()
+    assert [record.id for record in adopted.iter_records()] == ["r0"]  # opens under the new key
+    # a folder an earlier version renamed without rekeying its manifest is repaired in place
+    fresh = RolloutDataModule.from_objects(
+        tokenizer=chat_tokenizer, dataset="mtbench", target="smollm2", progress=False
+    )
+    manifest = json.loads((adopted.directory / "manifest.json").read_text())
+    manifest["config"], manifest["config_hash"] = old_config, config_hash(old_config)
+    (adopted.directory / "manifest.json").write_text(json.dumps(manifest))
+    assert [record.id for record in fresh.store("dataset").iter_records()] == ["r0"]
     # any other target is keyed by its weights, and its old stores are not taken over
     other = RolloutDataModule.from_objects(
         tokenizer=chat_tokenizer, dataset="mtbench", target="some/other-model", progress=False
