@@ -729,7 +729,8 @@ class RolloutDataModule(pl.LightningDataModule):
 
         old_hash = config_hash(self.store_config(kind, legacy=True))
         if folder.is_dir():
-            rekey_store(folder, old_hash, config)  # a no-op unless an earlier version renamed it alone
+            # a no-op unless an earlier version renamed it without its manifest
+            rekey_store(folder, old_hash, config)
             return
         legacy = root / f"{kind}-{old_hash}"
         if not legacy.is_dir():
