@@ -28,6 +28,7 @@ This module imports nothing of ours: models, data, callbacks and export all sit 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -51,6 +52,7 @@ __all__ = [
     "file_lock",
     "fsync_dir",
     "fsync_tree",
+    "is_disk_full",
     "recover_folder",
     "remove_stale",
     "sha256_file",
@@ -61,6 +63,13 @@ _ATTEMPTS = 100
 
 
 # --------------------------------------------------------------------------------- durability
+def is_disk_full(error: BaseException) -> bool:
+    """An out-of-space or out-of-quota write (ENOSPC, EDQUOT): the faults a long run should
+    survive where what failed to be written is derived or can wait (the tracking mirror, the
+    feature cache), unlike a checkpoint or a shard of answers."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 def fsync_dir(path: str | Path) -> None:
     """Persist a rename: fsync the directory entry (a no-op where directories cannot be opened)."""
     try:

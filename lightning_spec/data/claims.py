@@ -130,11 +130,14 @@ class WorkClaims:
             self.mark_done(claims, ids)
             self.write(claims)
 
-    def release(self) -> None:
-        """Drop this writer's unfinished claims (its work is written or abandoned)."""
+    def release(self, ids: Iterable[str] | None = None) -> None:
+        """Drop this writer's unfinished claims (its work is written or abandoned), or only
+        those among `ids` (work given up, not done: a later writer may do it)."""
+        wanted = None if ids is None else set(ids)
         with self._locked():
             claims = self.read()
-            mine = [k for k, v in claims.items() if v.get("by") == self.owner and not v.get("done")]
+            mine = [k for k, v in claims.items() if v.get("by") == self.owner and not v.get("done")
+                    and (wanted is None or k in wanted)]  # fmt: skip
             for item in mine:
                 del claims[item]
             if mine:

@@ -380,8 +380,8 @@ def cache_features(
                 store.claims, plan, claim_key, size=1, what="caching features"
             ):
                 info, records, have = entry
-                if full:  # the cap was reached: leave the rest (and let others stop waiting)
-                    store.claims.finish([claim_key(entry)])
+                if full:  # cap reached or disk full: leave the rest, undone (others stop waiting)
+                    store.claims.release([claim_key(entry)])
                     continue
                 features = dict(have["features"])
                 last_hidden = dict(have["last_hidden"])
@@ -417,10 +417,11 @@ def cache_features(
                     last_hidden=last_hidden,
                     target_argmax=argmax,
                 )
-                store.claims.finish([claim_key(entry)])
-                if not stored:
+                if not stored:  # not cached: released, not finished (a later run caches it)
+                    store.claims.release([claim_key(entry)])
                     full = True
                     continue
+                store.claims.finish([claim_key(entry)])
                 written += sum(
                     int(f.numel()) * 2
                     for rid in features

@@ -42,7 +42,14 @@ import torch
 from torch import Tensor
 
 from lightning_spec.data.claims import WorkClaims
-from lightning_spec.io import atomic_write, atomic_write_json, file_lock, remove_stale, sha256_file
+from lightning_spec.io import (
+    atomic_write,
+    atomic_write_json,
+    file_lock,
+    is_disk_full,
+    remove_stale,
+    sha256_file,
+)
 
 if TYPE_CHECKING:
     from lightning_spec.decoding.engine import Generation, StepRecord
@@ -949,8 +956,21 @@ class RolloutStore:
                     atomic_write_json(self.directory / MANIFEST, manifest)
                 return False
             name = f"features-{shard.split('.')[0]}.safetensors"
-            with atomic_write(self.directory / name, "wb") as fh:
-                fh.write(data)
+            try:
+                with atomic_write(self.directory / name, "wb") as fh:
+                    fh.write(data)
+            except OSError as error:
+                if not is_disk_full(error):
+                    raise
+                # Features are derived data: a full disk costs this pass its caching, not the
+                # run. Not recorded as "full", so the next run caches once space is back.
+                log.error(
+                    "the disk holding %s is full (%s) writing %s (%d bytes): training goes on "
+                    "with features computed online for the shards not cached; free space and "
+                    "the next run caches them",
+                    self.directory, os.strerror(error.errno or 0), name, len(data),
+                )  # fmt: skip
+                return False
             section["shards"][shard] = {
                 "name": name,
                 "records": len(ids),

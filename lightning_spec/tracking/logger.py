@@ -16,7 +16,6 @@ replays the mirror into MLflow.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -30,6 +29,8 @@ from typing import Any
 from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_spec.io import is_disk_full
 
 __all__ = [
     "MIRROR_NAME",
@@ -268,7 +269,7 @@ class RunMirror:
             with self.path.open("a", encoding="utf-8") as handle:
                 handle.write(data)
         except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            if not is_disk_full(error):
                 raise
             self._truncate_partial()
             if len(self._pending) > self.MAX_PENDING:

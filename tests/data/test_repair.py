@@ -148,3 +148,57 @@ def test_preparation_redoes_only_the_damaged_shard(tiny_cli_assets: dict[str, st
     assert set(unchanged) == {s.name for s in shards} - {victim.name, other.name}
     manifest = json.loads((store.directory / "manifest.json").read_text())
     assert all("ids" in entry for entry in manifest["shards"])
+
+
+def test_a_full_disk_under_the_feature_cache_costs_the_caching_not_the_run(
+    tiny_cli_assets: dict[str, str], tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """Feature shards after the first are written to `/dev/full` (a real ENOSPC from the
+    kernel): preparation finishes with one shard cached and an error naming the folder, leaves
+    no temporary file, and the next run, with space back, caches the rest."""
+    import contextlib
+    import logging
+
+    import lightning_spec.data.rollouts as rollouts
+    from lightning_spec.data.datamodule import RolloutDataModule
+    from lightning_spec.data.regenerate import feature_config
+
+    real, written = rollouts.atomic_write, []
+
+    @contextlib.contextmanager
+    def full_after_one(path, mode="wb"):
+        feature = Path(path).name.startswith("features-")
+        if not feature or not written:
+            written.extend([path] if feature else [])
+            with real(path, mode) as handle:
+                yield handle
+            return
+        with open("/dev/full", mode) as handle:  # the write's flush raises ENOSPC
+            yield handle
+            handle.flush()
+
+    def module() -> RolloutDataModule:
+        return RolloutDataModule(
+            target=tiny_cli_assets["model"], dataset=tiny_cli_assets["chats"],
+            cache_dir=str(tmp_path / "cache"), mode="dataset", max_length=64,
+            records_per_shard=8, feature_cache_bytes=10**8, progress=False,
+        )  # fmt: skip
+
+    monkeypatch.setattr(rollouts, "atomic_write", full_after_one)
+    first = module()
+    with caplog.at_level(logging.ERROR, logger="lightning_spec.data.rollouts"):
+        first.prepare_data()
+    store = first.store("dataset")
+    config = feature_config(first.target_model, f"{first._target_id}|{first.target_dtype}")
+    assert len(store.feature_shards(config)) == 1 < len(store.shards())
+    assert any("is full" in r.getMessage() and str(store.directory) in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert verify_store(store.directory) == []
+    assert not [p for p in store.directory.iterdir() if ".tmp" in p.name]
+    assert not store.feature_cache_full(config)  # not remembered as a cap: retried next run
+    monkeypatch.setattr(rollouts, "atomic_write", real)
+    second = module()
+    second.prepare_data()
+    cached = second.store("dataset").feature_shards(config)
+    assert set(cached) == {s.name for s in store.shards()}
+    assert sum(entry["records"] for entry in cached.values()) == 40
