@@ -12,6 +12,7 @@ and `main(argv) -> int`; the work itself is done elsewhere), imported only when 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -100,16 +101,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lightning-spec {__version__}")
         return 0
     command = argv[0]
-    if command in SUBCOMMANDS:
+    if command not in SUBCOMMANDS and command not in LIGHTNING_SUBCOMMANDS:
+        print(f"lightning-spec: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        if command in LIGHTNING_SUBCOMMANDS:
+            # From the shell, LightningCLI reads sys.argv itself (passing both makes it warn).
+            lightning_cli(None if from_command_line else argv)
+            return 0
         module_name = SUBCOMMANDS[command][0]
         if not _available(module_name):
             print(f"lightning-spec: `{command}` is not available in this version", file=sys.stderr)
             return 2
         module = importlib.import_module(module_name)
         return int(module.main(argv[1:]) or 0)
-    if command in LIGHTNING_SUBCOMMANDS:
-        # From the shell, LightningCLI reads sys.argv itself (passing both makes it warn).
-        lightning_cli(None if from_command_line else argv)
-        return 0
-    print(f"lightning-spec: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
-    return 2
+    except Exception as error:
+        # From the shell, an error we raise on purpose (bad input, a drafter of another
+        # target, a missing asset, a store of another configuration) is its message, not a
+        # traceback through our internals; called from Python (tests, notebooks) it raises.
+        if not from_command_line or os.environ.get(TRACEBACK_ENV) or not is_user_error(error):
+            raise
+        print(f"lightning-spec {command}: error: {error}", file=sys.stderr)
+        print(f"(set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+TRACEBACK_ENV = "LIGHTNING_SPEC_TRACEBACK"
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Errors that describe the user's input or environment and say what to do: shown as a
+    message. Anything else (a bug, an interrupted run) keeps its traceback."""
+    from lightning_spec.data.assets import AssetError
+    from lightning_spec.data.rollouts import StoreError
+    from lightning_spec.io import LockTimeout
+    from lightning_spec.tracking.logger import TrackingUnavailableError
+
+    expected = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                PermissionError, AssetError, StoreError, LockTimeout,
+                TrackingUnavailableError)  # fmt: skip
+    return isinstance(error, expected)

@@ -187,6 +187,11 @@ class TargetModel(nn.Module):
         kwargs: dict[str, object] = {"dtype": resolve_dtype(dtype)}
         if gguf_file:
             kwargs["gguf_file"] = gguf_file
+        if not Path(source).expanduser().exists() and _looks_like_a_path(source):
+            raise FileNotFoundError(
+                f"no model folder at {source} (a target is a hub id `org/name`, a model folder, "
+                "a .gguf file, or smollm2)"
+            )
         if Path(source).exists() and not (Path(source) / "config.json").exists() and not gguf_file:
             raise FileNotFoundError(f"{source} has no config.json: not a Hugging Face model folder")
         model = AutoModelForCausalLM.from_pretrained(
@@ -365,6 +370,13 @@ class TargetModel(nn.Module):
 
 
 _LOADED: dict[tuple, TargetModel] = {}
+
+
+def _looks_like_a_path(spec: str) -> bool:
+    """A spec a hub id cannot be (hub ids are `name` or `org/name`): absolute, relative to
+    `.`/`~`, or with more than one `/`. Such a spec that does not exist is a typo'd folder,
+    which the hub client would report as a malformed repo id."""
+    return spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or "\\" in spec
 
 
 def load_target(
