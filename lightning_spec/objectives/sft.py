@@ -344,6 +344,7 @@ class EagleSFT(Objective):
         block_gamma: float | None = None,
         seed: int = 0,
         feature_norm: bool = False,
+        anchor_feature: bool = False,
     ) -> None:
         """
         Args:
@@ -386,6 +387,9 @@ class EagleSFT(Objective):
             seed: Seed of the anchor choice.
             feature_norm: A fresh EAGLE-3 or Hydra drafter normalises each target layer's
                 hidden state before the fusion layer (the EAGLE-3.1 variant).
+            anchor_feature: A fresh DFlash drafter's anchor slot also reads the target feature
+                paired with its token (f_{R-1} with t_R, as EAGLE fuses them), not only through
+                attention to the context.
         """
         if drafter_type not in ("eagle3", "hydra", "dflash"):
             raise ValueError(
@@ -447,6 +451,7 @@ class EagleSFT(Objective):
                 draft_vocab_size=draft_vocab,
                 token_counts=counts,
                 intermediate_size=hp.intermediate_size,
+                anchor_feature=bool(hp.get("anchor_feature", False)),
             )
         if hp.get("drafter_type", "eagle3") == "hydra":
             from lightning_spec.models.drafters.hydra import HydraDrafter

@@ -156,3 +156,64 @@ def test_bad_sizes_are_refused(llama: TargetModel, bad: dict) -> None:
               "intermediate_size": 128, "target_vocab_size": 128, "target_layer_ids": [1, 2], **bad}  # fmt: skip
     with pytest.raises(ValueError, match="DFlash"):
         DFlashDrafter(config)
+
+
+def _randomise_anchor_fc(drafter: DFlashDrafter, seed: int) -> None:
+    """A trained-looking anchor fusion (the [I | 0] init would hide a wrong pairing)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight = drafter.anchor_fc.weight
+        weight.copy_(torch.randn(weight.shape, generator=generator) * weight.shape[1] ** -0.5)
+
+
+@pytest.mark.parametrize("spec", ["chain:3", "dynamic:3,3,8"])
+def test_anchor_feature_drafter_is_lossless(llama: TargetModel, spec: str) -> None:
+    drafter = DFlashDrafter.from_target(llama, block_size=4, num_layers=2, anchor_feature=True)
+    _randomise_anchor_fc(drafter, 2)
+    decoder = SpeculativeDecoder(llama, drafter, parse_tree_spec(spec))
+    prompt = list(range(30, 41))
+    expected = autoregressive_generate(llama, prompt, 24, stop_on_eos=False)
+    assert decoder.generate(prompt, 24, stop_on_eos=False).tokens == expected
+
+
+def test_anchor_feature_starts_as_the_plain_block_and_reads_the_paired_feature(
+    llama: TargetModel,
+) -> None:
+    """At init ([I | 0]) the anchor slot is the plain one, so the logits equal a plain
+    drafter's with the same weights; once trained, the incremental block (the decoder's) still
+    equals the teacher-forced block at the same root (GTO, Draft-OPD and SFT train on the
+    latter), so the anchor reads the same feature, f_{R-1}, on both paths."""
+    plain = DFlashDrafter.from_target(llama, block_size=5, num_layers=2, seed=3)
+    fused = DFlashDrafter.from_target(llama, block_size=5, num_layers=2, seed=3,
+                                      anchor_feature=True)  # fmt: skip
+    sequence = torch.tensor([list(range(20, 40))])
+    with torch.no_grad():
+        features = llama(sequence, output_features=True, use_cache=False).features
+    roots = torch.tensor([4, 11, 18])
+    before = plain.sequence_proposer(sequence, roots, features=features).slot_logits
+    at_init = fused.sequence_proposer(sequence, roots, features=features).slot_logits
+    torch.testing.assert_close(at_init, before)
+    _randomise_anchor_fc(fused, 4)
+    decoder = SpeculativeDecoder(llama, fused, parse_tree_spec("chain:4"))
+    session = decoder.start(list(range(20, 31)), 16, stop_on_eos=False)
+    for _ in range(3):
+        session.step()
+    committed = torch.tensor([session.sequence])
+    root = len(session.sequence) - 1
+    live = fused.proposer(
+        session.state, session.root_logits[None], session.root_hidden[None], torch.tensor([root])
+    )
+    with torch.no_grad():
+        features = llama(committed, output_features=True, use_cache=False).features
+    replay = fused.sequence_proposer(committed, torch.tensor([root]), features=features)
+    torch.testing.assert_close(replay.slot_logits[0], live.slot_logits[0], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(replay.slot_logits, at_init[:1])  # the fusion changes the block
+
+
+def test_anchor_feature_round_trips(llama: TargetModel, tmp_path) -> None:
+    drafter = DFlashDrafter.from_target(llama, block_size=4, anchor_feature=True)
+    _randomise_anchor_fc(drafter, 5)
+    loaded = load_drafter(drafter.save_pretrained(tmp_path / "fused"), target=llama)
+    assert loaded.anchor_feature and loaded.config["anchor_feature"] is True
+    torch.testing.assert_close(loaded.anchor_fc.weight, drafter.anchor_fc.weight)
+    assert not DFlashDrafter.from_target(llama, block_size=4).anchor_feature  # off by default

@@ -42,10 +42,12 @@ def target() -> TargetModel:
     return TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
 
 
-def _dflash(target: TargetModel, block_size: int = 4) -> DFlashDrafter:
+def _dflash(
+    target: TargetModel, block_size: int = 4, anchor_feature: bool = False
+) -> DFlashDrafter:
     return DFlashDrafter.from_target(
         target, block_size=block_size, draft_vocab_size=48, token_counts=torch.arange(VOCAB),
-        intermediate_size=64, seed=2,
+        intermediate_size=64, seed=2, anchor_feature=anchor_feature,
     )  # fmt: skip
 
 
@@ -141,22 +143,28 @@ def test_slot_k_of_anchor_a_is_trained_on_the_target_row_for_x_a_plus_k(
 
 
 # ------------------------------------------------------------------------------ training
-def test_dflash_sft_two_steps_in_lightning(target: TargetModel, tmp_path: Path) -> None:
+@pytest.mark.parametrize("anchor_feature", [False, True])
+def test_dflash_sft_two_steps_in_lightning(
+    target: TargetModel, tmp_path: Path, anchor_feature: bool
+) -> None:
     module = EagleSFT.from_objects(
-        target, _dflash(target), lr=1e-2, warmup_steps=1, max_steps_for_schedule=10,
-        anchors_per_sequence=6, block_weighting="acceptance",
+        target, _dflash(target, anchor_feature=anchor_feature), lr=1e-2, warmup_steps=1,
+        max_steps_for_schedule=10, anchors_per_sequence=6, block_weighting="acceptance",
     )  # fmt: skip
     before = module.drafter.fc.weight.clone()
+    fused = None if not anchor_feature else module.drafter.anchor_fc.weight.clone()
     callbacks = [AcceptanceEval(num_prompts=2, max_new_tokens=8, tree="chain:3"), DrafterCheckpoint()]
     trainer = _two_steps(module, HELPERS._batch(), tmp_path, callbacks=callbacks)
     assert trainer.global_step == 2
     assert not torch.equal(module.drafter.fc.weight, before)
+    if fused is not None:  # the anchor fusion is trained too
+        assert not torch.equal(module.drafter.anchor_fc.weight, fused)
     metrics = trainer.logged_metrics
     for key in ("train/loss", "train/loss_0", "train/acc_2", "val/loss", "val/tau"):
         assert key in metrics, key
     assert torch.isfinite(metrics["train/loss"])
     reloaded = load_drafter(tmp_path / "drafter" / "best")
-    assert isinstance(reloaded, DFlashDrafter)
+    assert isinstance(reloaded, DFlashDrafter) and reloaded.anchor_feature == anchor_feature
     decoder = SpeculativeDecoder(target, reloaded, parse_tree_spec("chain:3"))  # binds it
     from lightning_spec.decoding.engine import autoregressive_generate
 
@@ -171,6 +179,10 @@ def test_fresh_dflash_drafter_from_the_objective(target: TargetModel) -> None:
         EagleSFT.from_objects(target, _dflash(target), block_weighting="linear")
     with pytest.raises(ValueError, match="num_layers"):
         EagleSFT.from_objects(target, _dflash(target), num_layers=0)
+    module = EagleSFT.from_objects(target, _dflash(target), drafter_type="dflash",
+                                   anchor_feature=True, block_size=6)  # fmt: skip
+    fresh = module.build_drafter(target)  # what a config without drafter_init trains
+    assert isinstance(fresh, DFlashDrafter) and fresh.anchor_feature and fresh.block_size == 6
 
 
 def test_gto_with_a_dflash_student_two_steps(target: TargetModel, tmp_path: Path) -> None:

@@ -29,7 +29,10 @@ config carries ``dflash_config`` (``block_size``, ``target_layer_ids`` in the re
 numbering: decoder-layer indices, ours minus one, since ours index HF ``hidden_states`` where 0
 is the embedding output). Two deviations, both recorded in the config: the MASK input is a learned
 vector (``mask_embedding``) instead of a token the target's tokenizer may lack, and the optional
-reduced draft vocabulary (``d2t``/``t2d``).
+reduced draft vocabulary (``d2t``/``t2d``). A third only with ``anchor_feature``: ``anchor_fc``
+fuses the anchor's embedding with the projected feature of the entry it was absorbed with
+(f_{R-1} beside t_R, EAGLE's pairing), so the first slot, where a block drafter loses most
+against an EAGLE head, sees the latest context feature in its own residual stream.
 """
 
 from __future__ import annotations
@@ -63,10 +66,12 @@ __all__ = ["BlockProposer", "DFlashDrafter", "DFlashState"]
 
 @dataclass
 class DFlashState:
-    """Per-layer context keys/values of the absorbed tokens, and those tokens [B, L]."""
+    """Per-layer context keys/values of the absorbed tokens, those tokens [B, L], and (with
+    ``anchor_feature``) their projected context rows [B, L, H]."""
 
     layers: list[KVState]
     tokens: Tensor | None = None
+    context: Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -174,6 +179,17 @@ class DFlashDrafter(Drafter):
         self.mask_embedding = nn.Parameter(torch.zeros(hidden))
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(int(config["num_layers"])))
         self.norm = RMSNorm(hidden, eps)
+        # ``anchor_feature``: the anchor slot reads the projected feature paired with its token
+        # (f_{R-1} with t_R, EAGLE's own pairing) through ``anchor_fc`` on [embedding, context],
+        # not only through attention. Initialised [I | 0] without drawing random numbers: it
+        # starts as the plain anchor slot, and every other weight gets the init it would get
+        # without it (a fair comparison from the same seed).
+        self.anchor_fc: nn.Linear | None = None
+        if config.get("anchor_feature"):
+            self.anchor_fc = nn.utils.skip_init(nn.Linear, 2 * hidden, hidden, bias=False)
+            with torch.no_grad():
+                self.anchor_fc.weight.zero_()
+                self.anchor_fc.weight[:, :hidden].copy_(torch.eye(hidden))
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.register_buffer(
             "t2d",
@@ -186,6 +202,10 @@ class DFlashDrafter(Drafter):
     @property
     def block_size(self) -> int:
         return int(self.config["block_size"])
+
+    @property
+    def anchor_feature(self) -> bool:
+        return self.anchor_fc is not None
 
     @property
     def draft_vocab_size(self) -> int:
@@ -202,6 +222,7 @@ class DFlashDrafter(Drafter):
         draft_vocab_size: int | None = None,
         token_counts: Tensor | None = None,
         intermediate_size: int | None = None,
+        anchor_feature: bool = False,
         seed: int = 0,
     ) -> DFlashDrafter:
         """A fresh drafter sized like `target` (a TargetModel), bound to its weights."""
@@ -213,6 +234,8 @@ class DFlashDrafter(Drafter):
             "num_layers": int(num_layers),
             "block_size": int(block_size),
         }
+        if anchor_feature:
+            config["anchor_feature"] = True
         torch.manual_seed(seed)
         drafter = cls(config)
         with torch.no_grad():
@@ -266,6 +289,8 @@ class DFlashDrafter(Drafter):
             layer.truncate(length)
         if state.tokens is not None:
             state.tokens = state.tokens[:, :length]
+        if state.context is not None:
+            state.context = state.context[:, :length]
 
     def keep_state_entries(
         self, state: DFlashState, drop_last: int, keep: Tensor | list[int]
@@ -276,6 +301,10 @@ class DFlashDrafter(Drafter):
             start = state.length - drop_last
             offsets = torch.as_tensor(keep, dtype=torch.long, device=state.tokens.device)
             state.tokens = torch.cat([state.tokens[:, :start], state.tokens[:, start + offsets]], 1)
+            if state.context is not None:
+                state.context = torch.cat(
+                    [state.context[:, :start], state.context[:, start + offsets]], 1
+                )
 
     # ------------------------------------------------------------------ compute
     def step(
@@ -311,6 +340,10 @@ class DFlashDrafter(Drafter):
                 cache.values = torch.cat([cache.values, values], dim=2)
         tokens = input_ids.long()
         state.tokens = tokens if state.tokens is None else torch.cat([state.tokens, tokens], 1)
+        if self.anchor_fc is not None:
+            state.context = (
+                context if state.context is None else torch.cat([state.context, context], 1)
+            )
         return DrafterOutput(logits=context.new_zeros(*input_ids.shape, 0), hidden=context)
 
     def draft_block(
@@ -335,16 +368,22 @@ class DFlashDrafter(Drafter):
         device = roots.device
         length = state.length
         if context_lengths is None:
-            anchors = state.tokens[:, -1].expand(batch)
+            limits = torch.full((batch,), length, dtype=torch.long, device=device)
             visible = torch.ones(batch, length, dtype=torch.bool, device=device)
         else:
             limits = context_lengths.reshape(-1).long().to(device)
-            tokens = state.tokens.expand(batch, -1)  # a batch-1 state serves B roots
-            anchors = tokens.gather(1, (limits - 1).unsqueeze(1)).squeeze(1)
             visible = torch.arange(length, device=device).unsqueeze(0) < limits.unsqueeze(1)
+        last = (limits - 1).unsqueeze(1)  # the root's entry: its token t_R and f_{R-1}
+        anchors = state.tokens.expand(batch, -1).gather(1, last).squeeze(1)  # batch-1 serves B
         width = self.block_size
         dtype = self.fc.weight.dtype
         anchor = nn.functional.embedding(anchors, weights.embedding).to(dtype)  # [B, H]
+        if self.anchor_fc is not None:
+            if state.context is None:
+                raise RuntimeError("an anchor_feature drafter's state lost its context rows")
+            rows = state.context.expand(batch, -1, -1)
+            paired = rows.gather(1, last.unsqueeze(-1).expand(-1, 1, rows.shape[-1])).squeeze(1)
+            anchor = self.anchor_fc(torch.cat([anchor, paired.to(dtype)], dim=-1))
         masks = self.mask_embedding.to(dtype).expand(batch, width - 1, -1)
         x = torch.cat([anchor.unsqueeze(1), masks], dim=1)  # [B, width, H]
         positions = roots.unsqueeze(1) + torch.arange(width, device=device)
@@ -435,7 +474,7 @@ class DFlashDrafter(Drafter):
             "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "rope_theta", "target_hidden_size", "target_vocab_size",
             "draft_vocab_size", "target_layer_ids", "target_model", "max_position_embeddings",
-            "target_fingerprint", "training", "num_layers", "block_size",
+            "target_fingerprint", "training", "num_layers", "block_size", "anchor_feature",
         }  # fmt: skip
         return cls({k: v for k, v in config.items() if k in keep})
 
