@@ -41,6 +41,12 @@ def _data_helpers():  # noqa: ANN202
 
 
 @pytest.fixture(scope="session")
+def data_helpers():  # noqa: ANN201
+    """The tiny tokenizer / target / chat builders of tests/data/conftest.py, for any test."""
+    return _data_helpers()
+
+
+@pytest.fixture(scope="session")
 def tiny_cli_assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A tiny target + tokenizer saved as a model folder and 40 JSONL chats, for tests that run
     the real `lightning-spec` CLI on configs written for SmolLM2."""

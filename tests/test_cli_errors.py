@@ -3,7 +3,6 @@ through our internals: tried as a new user would, with a drafter trained for ano
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,14 +14,6 @@ from lightning_spec.cli import TRACEBACK_ENV, is_user_error, main
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 
 
-def _helpers():  # noqa: ANN202
-    path = Path(__file__).parent / "data" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("data_conftest_cli", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     code = "import sys; from lightning_spec.cli import main; sys.exit(main())"
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
@@ -30,11 +21,10 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 def test_a_drafter_of_another_target_is_one_clear_message(
-    tiny_cli_assets: dict[str, str], tmp_path: Path
+    tiny_cli_assets: dict[str, str], data_helpers, tmp_path: Path
 ) -> None:
-    helpers = _helpers()
-    tokenizer = helpers.make_chat_tokenizer()
-    other = helpers.make_tiny_target(tokenizer, seed=7)  # same shapes, other weights
+    tokenizer = data_helpers.make_chat_tokenizer()
+    other = data_helpers.make_tiny_target(tokenizer, seed=7)  # same shapes, other weights
     Eagle3Drafter.from_target(other).save_pretrained(tmp_path / "drafter")
     args = ("generate", "--target", tiny_cli_assets["model"], "--drafter",
             str(tmp_path / "drafter"), "--prompt", "hello", "--max-new-tokens", "4")  # fmt: skip

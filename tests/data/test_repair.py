@@ -103,20 +103,23 @@ def test_a_kill_during_a_feature_flush_leaves_the_store_consistent(tmp_path: Pat
                                 cap_bytes=10**6)  # fmt: skip
 
 
+def _module(assets: dict[str, str], tmp_path: Path):  # noqa: ANN202
+    """A data module over the tiny target and chats, caching features, in `tmp_path/cache`."""
+    from lightning_spec.data.datamodule import RolloutDataModule
+
+    return RolloutDataModule(
+        target=assets["model"], dataset=assets["chats"], cache_dir=str(tmp_path / "cache"),
+        mode="dataset", max_length=64, records_per_shard=8, feature_cache_bytes=10**8,
+        progress=False,
+    )  # fmt: skip
+
+
 def test_preparation_redoes_only_the_damaged_shard(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
     """The data module repairs before preparing: a corrupted dataset shard is rendered again
     (only its conversations), a truncated feature shard is cached again (only its records)."""
-    from lightning_spec.data.datamodule import RolloutDataModule
     from lightning_spec.data.regenerate import feature_config
 
-    def module() -> RolloutDataModule:
-        return RolloutDataModule(
-            target=tiny_cli_assets["model"], dataset=tiny_cli_assets["chats"],
-            cache_dir=str(tmp_path / "cache"), mode="dataset", max_length=64,
-            records_per_shard=8, feature_cache_bytes=10**8, progress=False,
-        )  # fmt: skip
-
-    first = module()
+    first = _module(tiny_cli_assets, tmp_path)
     first.prepare_data()
     store = first.store("dataset")
     shards = store.shards()
@@ -133,7 +136,7 @@ def test_preparation_redoes_only_the_damaged_shard(tiny_cli_assets: dict[str, st
     feature = store.directory / store.feature_shards(config)[other.name]["name"]
     feature.write_bytes(feature.read_bytes()[:100])
 
-    second = module()
+    second = _module(tiny_cli_assets, tmp_path)
     second.prepare_data()
     store = second.store("dataset")
     ids = [r.id for r in store.iter_records()]
@@ -160,7 +163,6 @@ def test_a_full_disk_under_the_feature_cache_costs_the_caching_not_the_run(
     import logging
 
     import lightning_spec.data.rollouts as rollouts
-    from lightning_spec.data.datamodule import RolloutDataModule
     from lightning_spec.data.regenerate import feature_config
 
     real, written = rollouts.atomic_write, []
@@ -177,15 +179,8 @@ def test_a_full_disk_under_the_feature_cache_costs_the_caching_not_the_run(
             yield handle
             handle.flush()
 
-    def module() -> RolloutDataModule:
-        return RolloutDataModule(
-            target=tiny_cli_assets["model"], dataset=tiny_cli_assets["chats"],
-            cache_dir=str(tmp_path / "cache"), mode="dataset", max_length=64,
-            records_per_shard=8, feature_cache_bytes=10**8, progress=False,
-        )  # fmt: skip
-
     monkeypatch.setattr(rollouts, "atomic_write", full_after_one)
-    first = module()
+    first = _module(tiny_cli_assets, tmp_path)
     with caplog.at_level(logging.ERROR, logger="lightning_spec.data.rollouts"):
         first.prepare_data()
     store = first.store("dataset")
@@ -197,7 +192,7 @@ def test_a_full_disk_under_the_feature_cache_costs_the_caching_not_the_run(
     assert not [p for p in store.directory.iterdir() if ".tmp" in p.name]
     assert not store.feature_cache_full(config)  # not remembered as a cap: retried next run
     monkeypatch.setattr(rollouts, "atomic_write", real)
-    second = module()
+    second = _module(tiny_cli_assets, tmp_path)
     second.prepare_data()
     cached = second.store("dataset").feature_shards(config)
     assert set(cached) == {s.name for s in store.shards()}

@@ -61,7 +61,17 @@ def test_incremental_blocks_equal_teacher_forced_blocks(llama: TargetModel) -> N
     """The decoder's block at root R (incremental absorbs) equals the block one teacher-forced
     pass gives for the same committed sequence (what GTO, Draft-OPD and block SFT train on)."""
     drafter = DFlashDrafter.from_target(llama, block_size=5, num_layers=2, seed=3)
-    decoder = SpeculativeDecoder(llama, drafter, parse_tree_spec("chain:4"))
+    live, replay = _live_and_replayed_blocks(llama, drafter, back=3)
+    torch.testing.assert_close(replay.slot_logits[1], live.slot_logits[0], atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(replay.slot_logits[0], replay.slot_logits[1])  # per-root context
+
+
+def _live_and_replayed_blocks(
+    target: TargetModel, drafter: DFlashDrafter, back: int
+) -> tuple[BlockProposer, BlockProposer]:
+    """The decoder's block after 3 steps (root R), and the teacher-forced blocks at roots
+    R - back and R of the same committed sequence."""
+    decoder = SpeculativeDecoder(target, drafter, parse_tree_spec("chain:4"))
     session = decoder.start(list(range(20, 31)), 16, stop_on_eos=False)
     for _ in range(3):
         session.step()
@@ -71,10 +81,11 @@ def test_incremental_blocks_equal_teacher_forced_blocks(llama: TargetModel) -> N
         session.state, session.root_logits[None], session.root_hidden[None], torch.tensor([root])
     )
     with torch.no_grad():
-        features = llama(sequence, output_features=True, use_cache=False).features
-        replay = drafter.sequence_proposer(sequence, torch.tensor([root - 3, root]), features=features)
-    torch.testing.assert_close(replay.slot_logits[1], live.slot_logits[0], atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(replay.slot_logits[0], replay.slot_logits[1])  # per-root context
+        features = target(sequence, output_features=True, use_cache=False).features
+        replay = drafter.sequence_proposer(
+            sequence, torch.tensor([root - back, root]), features=features
+        )
+    return live, replay
 
 
 def test_one_forward_per_block_whatever_the_block_size(llama: TargetModel) -> None:
@@ -194,20 +205,19 @@ def test_anchor_feature_starts_as_the_plain_block_and_reads_the_paired_feature(
     at_init = fused.sequence_proposer(sequence, roots, features=features).slot_logits
     torch.testing.assert_close(at_init, before)
     _randomise_anchor_fc(fused, 4)
-    decoder = SpeculativeDecoder(llama, fused, parse_tree_spec("chain:4"))
-    session = decoder.start(list(range(20, 31)), 16, stop_on_eos=False)
-    for _ in range(3):
-        session.step()
-    committed = torch.tensor([session.sequence])
-    root = len(session.sequence) - 1
-    live = fused.proposer(
-        session.state, session.root_logits[None], session.root_hidden[None], torch.tensor([root])
-    )
+    live, replay = _live_and_replayed_blocks(llama, fused, back=3)
+    torch.testing.assert_close(replay.slot_logits[1], live.slot_logits[0], atol=1e-4, rtol=1e-4)
+    seen: list[torch.Tensor] = []
+    hook = fused.layers[0].register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    trained = fused.sequence_proposer(sequence, roots, features=features).slot_logits
+    hook.remove()
+    assert not torch.allclose(trained, before)  # the fusion changes the blocks
+    # the anchor slot of root R is anchor_fc([embed(t_R), hidden_norm(fc(f_{R-1}))])
     with torch.no_grad():
-        features = llama(committed, output_features=True, use_cache=False).features
-    replay = fused.sequence_proposer(committed, torch.tensor([root]), features=features)
-    torch.testing.assert_close(replay.slot_logits[0], live.slot_logits[0], atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(replay.slot_logits, at_init[:1])  # the fusion changes the block
+        paired = fused.hidden_norm(fused.fc(features[0, roots - 1]))
+        embedded = llama.input_embeddings().weight[sequence[0, roots]]
+        expected = fused.anchor_fc(torch.cat([embedded, paired], dim=-1))
+    torch.testing.assert_close(seen[0][:, 0], expected)
 
 
 def test_anchor_feature_round_trips(llama: TargetModel, tmp_path) -> None:
