@@ -380,7 +380,10 @@ def cache_features(
                 store.claims, plan, claim_key, size=1, what="caching features"
             ):
                 info, records, have = entry
-                if full:  # cap reached or disk full: leave the rest, undone (others stop waiting)
+                # cap reached (here or by another writer) or disk full: leave the rest, undone
+                # (released: others stop waiting, and a later run with room caches it)
+                if full or store.feature_cache_full(config):
+                    full = True
                     store.claims.release([claim_key(entry)])
                     continue
                 features = dict(have["features"])
