@@ -378,6 +378,8 @@ class DecodeSession:
                 self.stopped = True
                 break
         record = record.cut(count)
+        if committed_features is not None:  # one row per committed token: cut with them
+            committed_features = committed_features[:count]
         self.records.append(record)
         self.new_tokens.extend(record.committed)
         self.sequence.extend(record.committed)

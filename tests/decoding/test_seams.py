@@ -216,3 +216,23 @@ def test_score_keep_block_is_for_one_tree(models: dict) -> None:
     with pytest.raises(ValueError, match="one tree"):
         score_trees_target(target, cache, [tree, tree], [1, 1], [10, 10], keep_block=True)
     truncate_cache(cache, 10)
+
+
+@pytest.mark.parametrize("max_new_tokens", [7, 8, 9])
+def test_kept_features_match_the_tokens_when_the_budget_cuts_a_step(
+    models: dict, max_new_tokens: int
+) -> None:
+    """The target drafting for itself accepts every draft, so the last step commits more
+    tokens than the budget leaves: the kept features are cut with the tokens (one row per
+    committed token but the last), which OnlineSpec's feedback batch relies on."""
+    from lightning_spec import specs
+
+    target = models["target"]
+    drafter = specs.resolve_drafter("self", target)
+    decoder = SpeculativeDecoder(target, drafter, parse_tree_spec("chain:4"), keep_features=True)
+    prompt = list(range(10, 22))
+    result = decoder.generate(prompt, max_new_tokens, stop_on_eos=False)
+    assert len(result.tokens) == max_new_tokens
+    assert result.features.shape[0] == len(prompt) + max_new_tokens - 1
+    expected = target(torch.tensor([prompt + result.tokens]), use_cache=False).features[0, :-1]
+    torch.testing.assert_close(result.features, expected, atol=1e-4, rtol=1e-4)
