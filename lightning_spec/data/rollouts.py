@@ -353,6 +353,12 @@ def tokenizer_fingerprint(tokenizer: Any, *, legacy: bool = False) -> dict[str, 
     return fingerprint
 
 
+def store_lock(directory: Path) -> contextlib.AbstractContextManager[None]:
+    """The inter-process lock of the store in ``directory`` (its ``.lock`` file): every
+    manifest read-modify-write, by the store or by `rekey_store`, holds it."""
+    return file_lock(directory / ".lock", timeout=STORE_LOCK_TIMEOUT)
+
+
 def rekey_store(directory: Path, old_hash: str, config: Mapping[str, Any]) -> bool:
     """Rewrite the owning configuration of the store in ``directory`` from ``old_hash`` to
     ``config``, in place and atomically, so a store adopted under a new cache key opens
@@ -361,7 +367,7 @@ def rekey_store(directory: Path, old_hash: str, config: Mapping[str, Any]) -> bo
     itself as "made under another configuration"."""
     path = directory / MANIFEST
     new_hash = config_hash(config)
-    with file_lock(directory / ".lock", timeout=STORE_LOCK_TIMEOUT):
+    with store_lock(directory):
         try:
             manifest = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -620,7 +626,7 @@ class RolloutStore:
 
         Held for milliseconds (a manifest update, one shard write), so a wait of
         `STORE_LOCK_TIMEOUT` means a hung holder: the error names it."""
-        return file_lock(self.directory / ".lock", timeout=STORE_LOCK_TIMEOUT)
+        return store_lock(self.directory)
 
     def _update(self, change: Any) -> dict[str, Any]:
         """Apply ``change(manifest)`` under the lock and rewrite the manifest atomically."""
