@@ -5,6 +5,9 @@ drafter folder (its sha256 is printed and written beside the results), gets the 
 minutes (the budget callback of each config is re-sized, nothing else changes) and runs alone on
 the machine, one after the other; each best drafter is copied out under OUT/<name>/drafter with
 its sha256. A killed comparison resumes: finished runs (a drafter folder in OUT) are skipped.
+Without ``--baseline`` the runs train from scratch (SFT variants compared at equal budget, e.g.
+``bench/dflash_tradeoff.py``); ``--steps`` gives them all the same step count as well (the
+budget then only caps them) and ``--pick last`` keeps the last drafter instead of ``best/``.
 
     python bench/compare_objectives.py --baseline ~/.cache/lightning-spec/baselines/X/drafter \\
         --minutes 30 --out ~/.cache/lightning-spec/compare/gto \\
@@ -35,10 +38,13 @@ from lightning_spec.io import sha256_file
 BUDGET = "lightning_spec.callbacks.budget.RunBudget"
 
 
-def budgeted_config(path: Path, minutes: float, run_dir: Path) -> dict:
-    """The config at `path` with its RunBudget set to `minutes` and its outputs in `run_dir`."""
+def budgeted_config(path: Path, minutes: float, run_dir: Path, *, steps: int | None = None) -> dict:
+    """The config at `path` with its RunBudget set to `minutes` and its outputs in `run_dir`
+    (and `trainer.max_steps` set to `steps` when given)."""
     config = yaml.safe_load(path.read_text())
     trainer = config.setdefault("trainer", {})
+    if steps is not None:
+        trainer["max_steps"] = int(steps)
     callbacks = trainer.setdefault("callbacks", [])
     budgets = [c for c in callbacks if isinstance(c, dict) and c.get("class_path") == BUDGET]
     if not budgets:
@@ -58,19 +64,23 @@ def budgeted_config(path: Path, minutes: float, run_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", type=Path, required=True, help="the starting drafter folder")
+    parser.add_argument("--baseline", type=Path, help="the starting drafter folder (none: scratch)")
     parser.add_argument("--minutes", type=float, required=True, help="RunBudget of every run")
+    parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (equal steps)")
+    parser.add_argument("--pick", choices=("best", "last"), default="best",
+                        help="which drafter of each run is kept (default: best/)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("runs", nargs="+", help="NAME=CONFIG [extra fit arguments], quoted")
     args = parser.parse_args(argv)
-    weights = args.baseline / "model.safetensors"
-    if not weights.is_file():
-        print(f"no drafter at {args.baseline}", file=sys.stderr)
-        return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    summary = {"baseline": str(args.baseline), "baseline_sha256": sha256_file(weights),
-               "minutes": args.minutes, "runs": {}}  # fmt: skip
-    print(f"baseline {args.baseline} sha256 {summary['baseline_sha256']}", flush=True)
+    summary: dict = {"minutes": args.minutes, "steps": args.steps, "pick": args.pick, "runs": {}}
+    if args.baseline is not None:
+        weights = args.baseline / "model.safetensors"
+        if not weights.is_file():
+            print(f"no drafter at {args.baseline}", file=sys.stderr)
+            return 2
+        summary.update(baseline=str(args.baseline), baseline_sha256=sha256_file(weights))
+        print(f"baseline {args.baseline} sha256 {summary['baseline_sha256']}", flush=True)
     lightning_spec = Path(sys.executable).with_name("lightning-spec")
     for spec in args.runs:
         name, _, rest = spec.partition("=")
@@ -81,11 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             summary["runs"][name] = json.loads((args.out / name / "run.json").read_text())
             continue
         run_dir = args.out / name / "run"
-        config = budgeted_config(Path(config_path), args.minutes, run_dir)
+        config = budgeted_config(Path(config_path), args.minutes, run_dir, steps=args.steps)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
             yaml.safe_dump(config, handle)
-        command = [str(lightning_spec), "fit", "--config", handle.name,
-                   f"--model.init_args.drafter_init={args.baseline}", *extra]  # fmt: skip
+        command = [str(lightning_spec), "fit", "--config", handle.name]
+        if args.baseline is not None:
+            command.append(f"--model.init_args.drafter_init={args.baseline}")
+        command += extra
         if (run_dir / "checkpoints" / "last.ckpt").is_file():
             command.append("--ckpt_path=last")  # a killed comparison continues this run
         print(f"{name}: {shlex.join(command)}", flush=True)
@@ -94,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0:
             print(f"{name}: fit exited {code}", file=sys.stderr)
             return code
-        best = run_dir / "drafter" / "best"
-        shutil.copytree(best, final)
+        shutil.copytree(run_dir / "drafter" / args.pick, final)
         record = {"config": config_path, "extra": extra, "seconds": time.time() - tic,
                   "sha256": sha256_file(final / "model.safetensors")}  # fmt: skip
         (args.out / name / "run.json").write_text(json.dumps(record, indent=1))

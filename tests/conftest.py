@@ -5,7 +5,11 @@ time), so it lives here rather than in tests/kernels: on a machine without CUDA 
 kernels then run in the interpreter, on CPU.
 """
 
+import importlib.util
 import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -28,16 +32,26 @@ def _test_threads():
     torch.set_num_threads(TEST_THREADS)
 
 
-def _data_helpers():  # noqa: ANN202
-    """tests/data/conftest.py as a module (its builders are plain functions, reused here)."""
-    import importlib.util
-    from pathlib import Path
+ROOT = Path(__file__).resolve().parents[1]
 
-    path = Path(__file__).parent / "data" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("data_conftest", path)
+
+def load_module(path: Path, name: str) -> ModuleType:
+    """A Python file that is not part of a package (a bench script, a conftest) as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _data_helpers() -> ModuleType:
+    """tests/data/conftest.py as a module (its builders are plain functions, reused here)."""
+    return load_module(Path(__file__).parent / "data" / "conftest.py", "data_conftest")
+
+
+@pytest.fixture(scope="session")
+def bench_script() -> Callable[[str], ModuleType]:
+    """bench/<name>.py as a module (the scripts are run as files, not imported as a package)."""
+    return lambda name: load_module(ROOT / "bench" / f"{name}.py", f"bench_{name}")
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,13 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location(
-        "bench_data_modes_train", ROOT / "bench" / "bench_data_modes_train.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def script(bench_script):  # noqa: ANN001, ANN201
+    return bench_script("bench_data_modes_train")
 
 
 def test_mode_config_budgets_the_whole_run(script, tmp_path: Path) -> None:

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(
-        "compare", ROOT / "bench" / "compare_objectives.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def compare(bench_script):  # noqa: ANN001, ANN201
+    return bench_script("compare_objectives")
 
 
-def test_budgeted_config_resizes_the_budget_and_moves_outputs(tmp_path: Path) -> None:
-    compare = _module()
+def test_budgeted_config_resizes_the_budget_and_moves_outputs(compare, tmp_path: Path) -> None:
     for name in ("gto.yaml", "sft_continue_cpu.yaml", "draft_opd.yaml"):
         original = yaml.safe_load((ROOT / "configs" / name).read_text())
         config = compare.budgeted_config(ROOT / "configs" / name, 12.5, tmp_path / "r")
@@ -34,11 +29,19 @@ def test_budgeted_config_resizes_the_budget_and_moves_outputs(tmp_path: Path) ->
         assert config["model"] == original["model"] and config["data"] == original["data"]
 
 
-def test_a_config_without_a_budget_gets_one(tmp_path: Path) -> None:
-    compare = _module()
+def test_a_config_without_a_budget_gets_one(compare, tmp_path: Path) -> None:
     path = tmp_path / "plain.yaml"
     path.write_text(yaml.safe_dump({"trainer": {"max_steps": 3}, "model": {}}))
     config = compare.budgeted_config(path, 5.0, tmp_path / "r")
     assert config["trainer"]["callbacks"] == [
         {"class_path": compare.BUDGET, "init_args": {"minutes": 5.0}}
     ]
+
+
+def test_steps_set_every_run_to_the_same_step_count(compare, tmp_path: Path) -> None:
+    config = compare.budgeted_config(
+        ROOT / "configs" / "sft_dflash_cpu.yaml", 9.0, tmp_path, steps=7
+    )
+    assert config["trainer"]["max_steps"] == 7
+    untouched = compare.budgeted_config(ROOT / "configs" / "sft_dflash_cpu.yaml", 9.0, tmp_path)
+    assert untouched["trainer"]["max_steps"] == 20000

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,13 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location(
-        "online_compare", ROOT / "bench" / "online_compare.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def compare(bench_script):  # noqa: ANN001, ANN201
+    return bench_script("online_compare")
 
 
 def _write(folder: Path, taus: list[float], net: float) -> None:
@@ -32,8 +27,9 @@ def _write(folder: Path, taus: list[float], net: float) -> None:
     (folder / "rounds.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rounds))
 
 
-def test_table_pairs_every_request_with_frozen_and_draws_the_figure(tmp_path: Path) -> None:
-    compare = _module()
+def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
+    compare, tmp_path: Path
+) -> None:
     _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 20.0)
     _write(tmp_path / "ogd", [2.0, 2.2, 2.4, 2.6], 15.0)
     table = compare.summarize(tmp_path, ["frozen", "ogd"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -10,11 +9,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _module():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("paired_tau", ROOT / "bench" / "paired_tau.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def paired(bench_script):  # noqa: ANN001, ANN201
+    return bench_script("paired_tau")
 
 
 def _entry(dataset: str, a: tuple[int, int], b: tuple[int, int]) -> dict:
@@ -27,8 +24,7 @@ def _entry(dataset: str, a: tuple[int, int], b: tuple[int, int]) -> dict:
     }
 
 
-def test_paired_gain_and_difference() -> None:
-    paired = _module()
+def test_paired_gain_and_difference(paired) -> None:
     result = {
         "per_prompt": [
             _entry("mtbench", (22, 10), (20, 10)),
