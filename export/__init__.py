@@ -1,7 +1,8 @@
 """Ship drafters: ONNX graphs, onnxruntime parity, TensorRT engines (installs as
 ``lightning_spec.export``).
 
-Submodules: `onnx` (drafter step and feature projection -> ONNX), `verify_graph` (greedy tree
+Submodules: `onnx` (drafter step and feature projection -> ONNX), `dflash_onnx` (the DFlash
+context and block graphs, with their parity), `verify_graph` (greedy tree
 verification as a pure ONNX graph), `parity` (onnxruntime vs PyTorch; `OnnxEagle3Drafter`,
 `OnnxTreeVerifier`), `trt_compat` (static TensorRT-parser compatibility check), `tensorrt`
 (engine building and engine-driven parity) and `cli` (``lightning-spec export``).
@@ -20,6 +21,7 @@ _EXPORTS = {
     "export_step_graph": "onnx",
     "export_fc_graph": "onnx",
     "GraphSpec": "onnx",
+    "export_dflash": "dflash_onnx",
     "build_verify_graph": "verify_graph",
     "export_verify_graph": "verify_graph",
     "OnnxEagle3Drafter": "parity",

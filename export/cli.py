@@ -1,10 +1,12 @@
-"""``lightning-spec export``: ship a trained EAGLE-3 drafter folder as ONNX (and TensorRT).
+"""``lightning-spec export``: ship a trained drafter folder as ONNX (and TensorRT).
 
 The output folder::
 
-    drafter/            the HF-style EAGLE-3 folder, copied byte for byte (SGLang/vLLM names)
-    fc.onnx             target features -> drafter hidden
-    drafter_step.onnx   one drafter step with the KV cache as inputs/outputs
+    drafter/            the HF-style drafter folder, copied byte for byte (SGLang/vLLM names)
+    fc.onnx             EAGLE-3: target features -> drafter hidden
+    drafter_step.onnx   EAGLE-3: one drafter step with the KV cache as inputs/outputs
+    dflash_context.onnx DFlash: target features -> per-layer context keys/values (export/dflash_onnx.py)
+    dflash_block.onnx   DFlash: one block forward, all draft slots in one call
     tree_verify.onnx    greedy tree verification (pointer jumping, no data-dependent shapes)
     manifest.json       files + sha256, graph signatures with dynamic dims, opset, tolerances,
                         parity numbers, TensorRT-compatibility reports, TensorRT build summary
@@ -12,7 +14,10 @@ The output folder::
 
 Every graph is checked with ``onnx.checker`` (full check), against TensorRT's parser support
 matrix (`trt_compat`) and against PyTorch through onnxruntime (`parity`). With ``--target`` the
-parity also runs on real target features and through the `SpeculativeDecoder` end to end.
+parity also runs on real target features and (EAGLE-3) through the `SpeculativeDecoder` end to
+end; a DFlash export is checked on a sequence absorbed and drafted at several roots the way the
+decoder does it. TensorRT engines are built for EAGLE-3 exports (``--tensorrt`` with a DFlash
+drafter is refused: no engine parity cases for its graphs yet).
 Everything is logged to MLflow as artifacts when ``--mlflow-run-id`` is given, a run is active
 or ``MLFLOW_TRACKING_URI`` is set.
 
@@ -96,13 +101,14 @@ def _versions() -> dict[str, str]:
 
 
 def _bind_embeddings(drafter: Any, drafter_dir: Path, target: Any) -> None:
-    """Give the drafter the input embeddings its folder does not hold (they are the target's;
-    the step graph embeds token ids, so it carries the table): from ``--target``, else from the
-    target the drafter recorded (``target_model``, e.g. ``smollm2``)."""
+    """Give the drafter the target weights its folder does not hold (EAGLE-3's step graph embeds
+    token ids, so it carries the input embeddings; DFlash's block graph carries the target's LM
+    head rows of the draft vocabulary): from ``--target``, else from the target the drafter
+    recorded (``target_model``, e.g. ``smollm2``)."""
     if target is not None:
         drafter.bind_target(target)
         return
-    if drafter.has_embeddings:  # a folder written before sharing: its own copy
+    if getattr(drafter, "has_embeddings", False):  # a folder written before sharing: its own copy
         return
     recorded = drafter.config.get("target_model")
     try:
@@ -115,8 +121,8 @@ def _bind_embeddings(drafter: Any, drafter_dir: Path, target: Any) -> None:
         drafter.bind_target(load_target(str(recorded)))
     except Exception as error:  # noqa: BLE001 - any load failure: the user must name the target
         raise ExportError(
-            f"{drafter_dir} shares its target's input embeddings (they are not in the folder, and "
-            "the step graph embeds token ids), and its recorded target {recorded!r} cannot be "
+            f"{drafter_dir} shares its target's weights (they are not in the folder, and the "
+            "exported graphs need them), and its recorded target {recorded!r} cannot be "
             f"loaded ({error}): pass --target with the model folder, hub id or smollm2 it was "
             "trained for",
             EXIT_USAGE,
@@ -185,10 +191,11 @@ def export_package(
     import onnx
 
     from lightning_spec.export import parity
-    from lightning_spec.export.onnx import export_drafter, export_ready
+    from lightning_spec.export.onnx import export_drafter
     from lightning_spec.export.trt_compat import check_trt_compat
     from lightning_spec.export.verify_graph import VERIFY_FILE, export_verify_graph
     from lightning_spec.models.drafters.base import load_drafter
+    from lightning_spec.models.drafters.dflash import DFlashDrafter
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 
     drafter_dir, output_dir = Path(drafter_dir), Path(output_dir)
@@ -196,19 +203,26 @@ def export_package(
         drafter = load_drafter(drafter_dir)
     except (FileNotFoundError, ValueError) as error:
         raise ExportError(f"cannot load drafter: {error}", EXIT_USAGE) from error
-    if drafter.drafts_blocks:
+    block = isinstance(drafter, DFlashDrafter)
+    if drafter.drafts_blocks and not block:
         raise ExportError(
-            f"{drafter_dir} holds a {drafter.drafter_type!r} block drafter, which ONNX export "
-            "does not cover yet: its step is a block forward over one context cache per layer, "
-            "and its embeddings and LM head are the target's (not in the folder), so the "
-            "EAGLE-3 step graph (one cache, its own head) cannot express it. Decode it with the "
-            "PyTorch engine (`lightning-spec generate`, `bench`, `serve`).",
+            f"{drafter_dir} holds a {drafter.drafter_type!r} block drafter; ONNX export covers "
+            "the DFlash block drafter and EAGLE-3 drafters",
             EXIT_USAGE,
         )
-    if not isinstance(drafter, Eagle3Drafter):
+    if not block and not isinstance(drafter, Eagle3Drafter):
         raise ExportError(
             f"{drafter_dir} holds a {drafter.drafter_type!r} drafter; ONNX export supports "
-            "EAGLE-3 drafters",
+            "EAGLE-3 and DFlash drafters",
+            EXIT_USAGE,
+        )
+    if block and tensorrt:
+        raise ExportError(
+            "--tensorrt builds engines for EAGLE-3 exports only: the engine parity check "
+            "(export/tensorrt.py engine_parity) has no cases for the DFlash graphs yet, and an "
+            "engine nobody compared is not shipped. Export without --tensorrt (both DFlash "
+            "graphs pass onnxruntime parity) and build engines from dflash_context.onnx and "
+            "dflash_block.onnx with trtexec.",
             EXIT_USAGE,
         )
     target_inputs = _load_target_inputs(target, drafter) if target is not None else None
@@ -217,7 +231,12 @@ def export_package(
     output_dir.mkdir(parents=True, exist_ok=True)
     _copy_folder(drafter_dir, output_dir / parity.DRAFTER_FOLDER)
 
-    specs = export_drafter(drafter, output_dir, opset=opset)
+    if block:
+        from lightning_spec.export.dflash_onnx import export_dflash
+
+        specs = export_dflash(drafter, output_dir, opset=opset)
+    else:
+        specs = export_drafter(drafter, output_dir, opset=opset)
     specs["tree_verify"] = export_verify_graph(
         output_dir / VERIFY_FILE, max_nodes=max_tree_nodes, opset=opset
     )
@@ -254,25 +273,14 @@ def export_package(
     }
 
     # ---- parity: random inputs, rollouts (real target features when --target), tree verify
-    onnx_drafter = parity.OnnxEagle3Drafter.from_export_dir(output_dir)
     verifier = parity.OnnxTreeVerifier.from_export_dir(output_dir)
-    random_result = parity.step_parity(drafter, output_dir)
-    random_result["passed"] = parity.parity_passed(random_result, tolerances)
-    rollout = parity.rollout_parity(drafter, onnx_drafter)
-    rollout["passed"] = parity.parity_passed(rollout, tolerances)
+    if block:
+        manifest["parity"] = _dflash_parity(drafter, output_dir, target_inputs, tolerances)
+    else:
+        manifest["parity"] = _eagle_parity(drafter, output_dir, verifier, target_inputs, tolerances)
     verify = parity.verify_graph_parity(verifier, max_nodes=min(48, max_tree_nodes))
     verify["passed"] = verify["mismatches"] == 0
-    manifest["parity"] = {"random": random_result, "rollout": rollout, "tree_verify": verify}
-    if target_inputs is not None:
-        target_model, features, ids, prompts = target_inputs
-        real = parity.rollout_parity(drafter, onnx_drafter, features=features, prompt_ids=ids)
-        real["passed"] = parity.parity_passed(real, tolerances)
-        decode = parity.decode_parity(
-            target_model, export_ready(drafter), onnx_drafter, verifier, prompts
-        )
-        decode["passed"] = decode["tokens_equal"] and decode["trees_equal"]
-        manifest["parity"]["target_features"] = real
-        manifest["parity"]["decode"] = decode
+    manifest["parity"]["tree_verify"] = verify
     checks = [result["passed"] for result in manifest["parity"].values()]
     manifest["passed"] = all(checks)
     manifest["files"] = _file_records(output_dir)
@@ -301,6 +309,62 @@ def export_package(
     if failure is not None:
         raise failure
     return manifest
+
+
+def _eagle_parity(
+    drafter: Any,
+    output_dir: Path,
+    verifier: Any,
+    target_inputs: tuple[Any, Any, Any, list[list[int]]] | None,
+    tolerances: dict[str, float],
+) -> dict[str, dict[str, Any]]:
+    """EAGLE-3 graphs: random inputs, rollouts, and with a target its features and decoding."""
+    from lightning_spec.export import parity
+    from lightning_spec.export.onnx import export_ready
+
+    onnx_drafter = parity.OnnxEagle3Drafter.from_export_dir(output_dir)
+    results = {
+        "random": parity.step_parity(drafter, output_dir),
+        "rollout": parity.rollout_parity(drafter, onnx_drafter),
+    }
+    if target_inputs is not None:
+        target_model, features, ids, prompts = target_inputs
+        results["target_features"] = parity.rollout_parity(
+            drafter, onnx_drafter, features=features, prompt_ids=ids
+        )
+        decode = parity.decode_parity(
+            target_model, export_ready(drafter), onnx_drafter, verifier, prompts
+        )
+        decode["passed"] = decode["tokens_equal"] and decode["trees_equal"]
+        results["decode"] = decode
+    for name, result in results.items():
+        if name != "decode":
+            result["passed"] = parity.parity_passed(result, tolerances)
+    return results
+
+
+def _dflash_parity(
+    drafter: Any,
+    output_dir: Path,
+    target_inputs: tuple[Any, Any, Any, list[list[int]]] | None,
+    tolerances: dict[str, float],
+) -> dict[str, dict[str, Any]]:
+    """DFlash graphs: random inputs, a sequence absorbed and drafted at several roots the way
+    the decoder does, and with a target the same on its real features."""
+    from lightning_spec.export import dflash_onnx, parity
+
+    results = {
+        "random": dflash_onnx.random_parity(drafter, output_dir),
+        "sequence": dflash_onnx.sequence_parity(drafter, output_dir),
+    }
+    if target_inputs is not None:
+        _, features, ids, _ = target_inputs
+        results["target_features"] = dflash_onnx.sequence_parity(
+            drafter, output_dir, features=features, absorbed_ids=ids
+        )
+    for result in results.values():
+        result["passed"] = parity.parity_passed(result, tolerances)
+    return results
 
 
 def _tensorrt_step(

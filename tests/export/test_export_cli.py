@@ -201,15 +201,37 @@ def test_bad_drafter_folder_is_a_usage_error(tmp_path: Path, capsys) -> None:
     assert "cannot load drafter" in capsys.readouterr().err
 
 
-def test_block_drafter_is_refused_with_the_reason(tmp_path: Path, capsys) -> None:
+def test_dflash_drafter_exports_with_parity_on_the_target(tmp_path: Path) -> None:
+    from lightning_spec.export.dflash_onnx import BLOCK_FILE, CONTEXT_FILE
+    from lightning_spec.models.drafters.dflash import DFlashDrafter
+
+    target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=0)
+    target.model.save_pretrained(tmp_path / "target")
+    folder = DFlashDrafter.from_target(target, block_size=3).save_pretrained(tmp_path / "d")
+    output = tmp_path / "o"
+    arguments = ["--drafter", str(folder), "--output", str(output), "--max-tree-nodes", "64"]
+    assert export_cli.main([*arguments, "--target", str(tmp_path / "target")]) == cli.EXIT_OK
+    manifest = json.loads((output / cli.MANIFEST_NAME).read_text())
+    assert set(manifest["graphs"]) == {"dflash_context", "dflash_block", "tree_verify"}
+    assert set(manifest["parity"]) == {"random", "sequence", "target_features", "tree_verify"}
+    assert manifest["passed"] and all(r["passed"] for r in manifest["parity"].values())
+    assert manifest["parity"]["target_features"]["argmax_agreement"] == 1.0
+    files = {record["path"] for record in manifest["files"]}
+    assert {CONTEXT_FILE, BLOCK_FILE, "drafter/model.safetensors"} <= files
+
+
+def test_dflash_tensorrt_is_refused_with_the_reason(tmp_path: Path, capsys) -> None:
     from lightning_spec.models.drafters.dflash import DFlashDrafter
 
     target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=0)
     folder = DFlashDrafter.from_target(target, block_size=3).save_pretrained(tmp_path / "d")
-    code = export_cli.main(["--drafter", str(folder), "--output", str(tmp_path / "o")])
+    code = export_cli.main(
+        ["--drafter", str(folder), "--output", str(tmp_path / "o"), "--tensorrt"]
+    )
     assert code == cli.EXIT_USAGE
     message = capsys.readouterr().err
-    assert "block drafter" in message and "LM head are the target's" in message
+    assert "engine parity" in message and "DFlash graphs" in message
+    assert not (tmp_path / "o").exists()  # refused before any work
 
 
 def test_argparse_errors_return_2(capsys) -> None:

@@ -329,10 +329,8 @@ class DFlashDrafter(Drafter):
                 f"features have width {features.shape[-1]}, this drafter expects {expected} "
                 f"(target layers {self.config['target_layer_ids']}): wrong target?"
             )
-        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
-        positions = position_ids - 1
-        for layer, cache in zip(self.layers, state.layers, strict=True):
-            keys, values = layer.self_attn.keys_values(context, positions)
+        context, entries = self.context_entries(features, position_ids)
+        for (keys, values), cache in zip(entries, state.layers, strict=True):
             if cache.keys is None:
                 cache.keys, cache.values = keys, values
             else:
@@ -345,6 +343,16 @@ class DFlashDrafter(Drafter):
                 context if state.context is None else torch.cat([state.context, context], 1)
             )
         return DrafterOutput(logits=context.new_zeros(*input_ids.shape, 0), hidden=context)
+
+    def context_entries(
+        self, features: Tensor, position_ids: Tensor
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """What absorbing tokens at `position_ids` [B, T] with `features` [B, T, F] adds: the
+        projected context rows [B, T, H] and each layer's keys and values [B, Hkv, T, D] at the
+        entries' positions (position_ids - 1). `step` and the exported context graph run it."""
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        positions = position_ids - 1
+        return context, [layer.self_attn.keys_values(context, positions) for layer in self.layers]
 
     def draft_block(
         self,
@@ -375,25 +383,58 @@ class DFlashDrafter(Drafter):
             visible = torch.arange(length, device=device).unsqueeze(0) < limits.unsqueeze(1)
         last = (limits - 1).unsqueeze(1)  # the root's entry: its token t_R and f_{R-1}
         anchors = state.tokens.expand(batch, -1).gather(1, last).squeeze(1)  # batch-1 serves B
-        width = self.block_size
         dtype = self.fc.weight.dtype
         anchor = nn.functional.embedding(anchors, weights.embedding).to(dtype)  # [B, H]
+        paired = None
         if self.anchor_fc is not None:
             if state.context is None:
                 raise RuntimeError("an anchor_feature drafter's state lost its context rows")
             rows = state.context.expand(batch, -1, -1)
             paired = rows.gather(1, last.unsqueeze(-1).expand(-1, 1, rows.shape[-1])).squeeze(1)
-            anchor = self.anchor_fc(torch.cat([anchor, paired.to(dtype)], dim=-1))
-        masks = self.mask_embedding.to(dtype).expand(batch, width - 1, -1)
+        contexts = [None if c.keys is None else (c.keys, c.values) for c in state.layers]
+        out = self.block_hidden(self.anchor_input(anchor, paired), roots, contexts, visible)
+        return self.head_logits(out)
+
+    def anchor_input(self, embedding: Tensor, paired: Tensor | None) -> Tensor:
+        """The anchor slot's input [B, H]: the anchor token's embedding, fused with its paired
+        projected context row through ``anchor_fc`` when the drafter has one."""
+        if self.anchor_fc is None:
+            return embedding
+        if paired is None:
+            raise ValueError("an anchor_feature drafter needs the anchor's paired context row")
+        return self.anchor_fc(torch.cat([embedding, paired.to(embedding.dtype)], dim=-1))
+
+    def block_hidden(
+        self,
+        anchor: Tensor,
+        roots: Tensor,
+        contexts: list[tuple[Tensor, Tensor] | None],
+        visible: Tensor,
+    ) -> Tensor:
+        """The block forward: normed hidden states [B, block_size - 1, H] of the draft slots.
+
+        The block [anchor [B, H], MASK x (B - 1)] sits at positions roots [B] .. + B - 1 and
+        attends bidirectionally to itself and, in layer i, to ``contexts[i]`` (keys and values
+        [B|1, Hkv, C, D], or None for no context) where ``visible`` [B, C] allows. The one copy
+        of this computation: `draft_block` and the exported ONNX block graph both run it.
+        """
+        batch, width = anchor.shape[0], self.block_size  # symbolic under torch.export
+        device = anchor.device
+        masks = self.mask_embedding.to(anchor.dtype).expand(batch, width - 1, -1)
         x = torch.cat([anchor.unsqueeze(1), masks], dim=1)  # [B, width, H]
         positions = roots.unsqueeze(1) + torch.arange(width, device=device)
         block = torch.ones(batch, width, width, dtype=torch.bool, device=device)
         mask = torch.cat([visible.unsqueeze(1).expand(-1, width, -1), block], dim=-1)
-        for layer, cache in zip(self.layers, state.layers, strict=True):
-            context = None if cache.keys is None else (cache.keys, cache.values)
+        for layer, context in zip(self.layers, contexts, strict=True):
             x = layer(x, positions, context, mask)
-        out = self.norm(x[:, 1:])
-        return nn.functional.linear(out, weights.head.to(out.dtype), _cast(weights.head_bias, out))
+        return self.norm(x[:, 1:])
+
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """Draft-vocabulary logits of slot hidden states, through the target's (shared) head."""
+        weights = self._weights()
+        return nn.functional.linear(
+            hidden, weights.head.to(hidden.dtype), _cast(weights.head_bias, hidden)
+        )
 
     def proposer(
         self,
