@@ -249,4 +249,4 @@ def test_a_folder_without_embeddings_needs_its_target(tmp_path: Path, capsys) ->
     code = export_cli.main(["--drafter", str(folder), "--output", str(tmp_path / "o")])
     assert code == cli.EXIT_USAGE
     message = capsys.readouterr().err
-    assert "shares its target's input embeddings" in message and "pass --target" in message
+    assert "shares its target's weights" in message and "pass --target" in message
