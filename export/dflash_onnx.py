@@ -55,7 +55,7 @@ from lightning_spec.export.onnx import (
     TRACE_TOKENS,
     GraphSpec,
     _export,
-    graph_io,
+    graph_spec,
 )
 from lightning_spec.models.drafters.dflash import DFlashDrafter
 
@@ -168,13 +168,10 @@ def export_context_graph(
         path,
         opset,
     )
-    inputs, outputs = graph_io(path)
-    return GraphSpec(
+    return graph_spec(
+        path,
         name="dflash_context",
-        file=path.name,
         opset=opset,
-        inputs=inputs,
-        outputs=outputs,
         dynamic_dims=["batch", "tokens"],
         notes=(
             "DFlash context absorb: target features of committed tokens -> per-layer context "
@@ -204,14 +201,11 @@ def export_block_graph(
         shapes["anchor_context"] = {0: batch}
     example = block_example_inputs(model, TRACE_BATCH, TRACE_PAST)
     _export(BlockGraph(model), example, shapes, names, BLOCK_OUTPUTS, path, opset)
-    inputs, outputs = graph_io(path)
     slots = model.block_size - 1
-    return GraphSpec(
+    return graph_spec(
+        path,
         name="dflash_block",
-        file=path.name,
         opset=opset,
-        inputs=inputs,
-        outputs=outputs,
         dynamic_dims=["batch", "past"],
         notes=(
             f"One DFlash block forward: {slots} draft slots in one call. anchor_embeds is the "

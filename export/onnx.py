@@ -274,15 +274,12 @@ def export_step_graph(
             ("present_values", 2): "kv_length",
         },
     )
-    inputs, outputs = graph_io(path)
-    return GraphSpec(
+    return graph_spec(
+        path,
         name="drafter_step",
-        file=path.name,
         opset=opset,
-        inputs=inputs,
-        outputs=outputs,
         dynamic_dims=["batch", "tokens", "past", "kv_length"],
-        derived_dims=dict(STEP_DERIVED_DIMS),
+        derived_dims=STEP_DERIVED_DIMS,
         notes=(
             "One EAGLE-3 drafter step over the hidden stream. past may be 0 (prefill); "
             "attention_mask is bool, True = may attend; present_* = past then the new tokens."
@@ -309,13 +306,10 @@ def export_fc_graph(
         path,
         opset,
     )
-    inputs, outputs = graph_io(path)
-    return GraphSpec(
+    return graph_spec(
+        path,
         name="fc",
-        file=path.name,
         opset=opset,
-        inputs=inputs,
-        outputs=outputs,
         dynamic_dims=["batch", "tokens"],
         notes="EAGLE-3 fc: fused target features -> the hidden_in of drafter_step.",
     )
@@ -330,6 +324,31 @@ def export_drafter(
         "fc": export_fc_graph(drafter, output_dir / FC_FILE, opset=opset),
         "drafter_step": export_step_graph(drafter, output_dir / STEP_FILE, opset=opset),
     }
+
+
+def graph_spec(
+    path_or_model: str | Path | Any,
+    *,
+    name: str,
+    opset: int,
+    dynamic_dims: list[str],
+    notes: str,
+    derived_dims: dict[str, str] | None = None,
+) -> GraphSpec:
+    """The manifest entry of an exported graph: its file name and signature, read back from
+    the ONNX file (or ModelProto, whose file is `name`.onnx)."""
+    inputs, outputs = graph_io(path_or_model)
+    file = Path(path_or_model).name if isinstance(path_or_model, (str, Path)) else f"{name}.onnx"
+    return GraphSpec(
+        name=name,
+        file=file,
+        opset=opset,
+        inputs=inputs,
+        outputs=outputs,
+        dynamic_dims=dynamic_dims,
+        derived_dims=dict(derived_dims or {}),
+        notes=notes,
+    )
 
 
 def graph_io(path_or_model: str | Path | Any) -> tuple[list[TensorSpec], list[TensorSpec]]:

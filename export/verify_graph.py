@@ -192,7 +192,7 @@ def export_verify_graph(
     """Write `tree_verify.onnx` to `path`; return its `GraphSpec` for the manifest."""
     import onnx
 
-    from lightning_spec.export.onnx import GraphSpec, graph_io
+    from lightning_spec.export.onnx import graph_spec
     from lightning_spec.io import atomic_path
 
     path = Path(path)
@@ -200,15 +200,12 @@ def export_verify_graph(
     model = build_verify_graph(max_nodes=max_nodes, opset=opset)
     with atomic_path(path) as tmp:
         onnx.save(model, str(tmp))
-    inputs, outputs = graph_io(model)
-    return GraphSpec(
+    return graph_spec(
+        path,
         name="tree_verify",
-        file=path.name,
         opset=opset,
-        inputs=inputs,
-        outputs=outputs,
         dynamic_dims=["nodes", "nodes_plus_one", "vocab"],
-        derived_dims=dict(VERIFY_DERIVED_DIMS),
+        derived_dims=VERIFY_DERIVED_DIMS,
         notes=(
             f"Greedy tree verification, pointer jumping unrolled {jump_rounds(max_nodes)} rounds: "
             f"valid for trees of at most max_nodes={max_nodes} nodes. path is padded with -1."
