@@ -99,7 +99,8 @@ def table(variants: list[tuple[str, int, int, bool]], out: Path) -> str:
         record = runs.get(name, {})
         pace = record.get("seconds_per_step")
         own = out / f"bench_{name}_block.json"  # this drafter alone: all its rows are ours
-        rows = [r for r in shared if f":{name}/drafter@" in r["method"]]
+        # a label is "speculative:NAME/drafter", "@TREE" appended when a run had several trees
+        rows = [r for r in shared if r["method"].split("@")[0] == f"speculative:{name}/drafter"]
         rows += _rows(own) if own.is_file() else []
         for row in rows:
             alpha = " ".join(f"{a:.2f}" for a in (row.get("alpha") or []))

@@ -41,8 +41,8 @@ def test_variant_config_changes_only_the_shape_and_the_check_tree(tradeoff) -> N
     assert base["model"]["init_args"]["block_size"] == 8  # the base is not modified
 
 
-def _bench_row(label: str, tree: str, dataset: str, tau: float) -> dict:
-    return {"method": f"speculative:{label}@{tree}", "category": None, "tree": tree,
+def _bench_row(label: str, tree: str, dataset: str, tau: float, *, suffix: bool = False) -> dict:
+    return {"method": f"speculative:{label}" + (f"@{tree}" if suffix else ""), "category": None, "tree": tree,
             "dataset": dataset, "tau": tau, "tau_ci": [tau - 0.1, tau + 0.1],
             "alpha": [0.5, 0.25], "ms_per_step": {"draft": 9.0, "verify": 50.0}}  # fmt: skip
 
@@ -52,7 +52,8 @@ def test_table_reads_the_shared_and_the_per_drafter_benches(tradeoff, tmp_path: 
         json.dumps({"runs": {"L1": {"seconds_per_step": 0.4}, "L2": {"seconds_per_step": 0.6}}})
     )
     shared = [_bench_row("L1/drafter", "chain:3", "mtbench", 1.5),
-              _bench_row("L2/drafter", "chain:3", "mtbench", 1.7),
+              _bench_row("L2/drafter", "chain:3", "mtbench", 1.7, suffix=True),
+              _bench_row("L12/drafter", "chain:3", "mtbench", 1.9),
               {"method": "hf_generate", "category": None}]  # fmt: skip
     (tmp_path / "bench_chain3.json").write_text(json.dumps({"rows": shared}))
     alone = [_bench_row("drafter", "chain:7", "mtbench", 1.8)]  # one drafter: a bare label
