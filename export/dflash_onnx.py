@@ -57,6 +57,7 @@ from lightning_spec.export.onnx import (
     _export,
     graph_spec,
 )
+from lightning_spec.export.parity import _argmax_agreement, _compare, _session
 from lightning_spec.models.drafters.dflash import DFlashDrafter
 
 CONTEXT_FILE = "dflash_context.onnx"
@@ -227,16 +228,6 @@ def export_dflash(
 
 
 # ------------------------------------------------------------------------------------ parity
-def _diff(reference: Tensor, candidate: np.ndarray) -> tuple[float, float]:
-    ref = reference.detach().float().cpu().numpy()
-    return float(np.abs(ref - candidate).max(initial=0.0)), float(np.abs(ref).max(initial=0.0))
-
-
-def _agreement(reference: Tensor, candidate: np.ndarray) -> tuple[int, int]:
-    ref = reference.argmax(dim=-1).cpu().numpy()
-    return int((ref == candidate.argmax(axis=-1)).sum()), int(ref.size)
-
-
 class _Tally:
     """Worst difference, reference scale and argmax agreement over parity cases."""
 
@@ -247,13 +238,13 @@ class _Tally:
     def diffs(self, pairs: dict[str, tuple[Tensor, np.ndarray]]) -> dict[str, float]:
         out = {}
         for name, (reference, candidate) in pairs.items():
-            diff, scale = _diff(reference, candidate)
+            diff, scale = _compare(reference, candidate)
             out[name] = diff
             self.worst, self.scale = max(self.worst, diff), max(self.scale, scale)
         return out
 
     def logits(self, reference: Tensor, candidate: np.ndarray) -> float:
-        hits, count = _agreement(reference, candidate)
+        hits, count = _argmax_agreement(reference, candidate)
         self.agree, self.total = self.agree + hits, self.total + count
         return hits / max(count, 1)
 
@@ -267,8 +258,6 @@ class _Tally:
 
 
 def _sessions(export_dir: Path, providers: Any) -> tuple[Any, Any]:
-    from lightning_spec.export.parity import _session
-
     return _session(export_dir / CONTEXT_FILE, providers), _session(export_dir / BLOCK_FILE, providers)
 
 
