@@ -8,7 +8,13 @@ tau with a 95% bootstrap interval over requests, the paired per-request differen
 for every strategy (`tau_over_rounds.png`). Runs already finished in OUT are reused (resume).
 
     python bench/online_compare.py --config configs/online_spec.yaml --out runs/online_compare \\
-        --strategies frozen,ogd,optimistic,ensemble,osd,dpo [--seed 1]
+        --strategies frozen,ogd,optimistic,ensemble,osd,dpo [--seed 1] \\
+        [--set optimistic.lr=0.5 --set optimistic.drafter=runs/sft_hydra_cpu/drafter/best]
+
+The config's `strategy:` options are shared by every strategy that accepts them; `--set
+NAME.KEY=VALUE` overrides one strategy's option (the SGD-style optimistic update needs a learning
+rate on another scale than AdamW's) or, for a top-level config key such as `drafter` or `tree`,
+that strategy's run (the optimistic strategy on Hydra heads, as in the paper).
 """
 
 from __future__ import annotations
@@ -91,15 +97,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--strategies", default="frozen,ogd,optimistic,ensemble,osd,dpo")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME.KEY=VALUE",
+        help="one strategy's option or config key (repeatable; module doc)",
+    )
     args = parser.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
+    try:
+        overrides = parse_overrides(args.set, strategies)
+    except ValueError as error:
+        parser.error(str(error))
     base = yaml.safe_load(Path(args.config).read_text())
     options = dict(base.get("strategy") or {})
     options.pop("name", None)
     executable = Path(sys.executable).with_name("lightning-spec")
     for name in strategies:
         folder = args.out / name
-        config = dict(base, out_dir=str(folder), strategy={"name": name, **_options(name, options)})
+        top, own = overrides.get(name, ({}, {}))
+        strategy = {"name": name, **_options(name, options), **own}
+        config = dict(base, **top, out_dir=str(folder), strategy=strategy)
         if args.seed is not None:
             config["seed"] = args.seed
         folder.mkdir(parents=True, exist_ok=True)
@@ -114,6 +133,28 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(table, indent=1))
     print(f"figure: {plot(args.out, strategies)}")
     return 0
+
+
+def parse_overrides(
+    items: list[str], strategies: list[str]
+) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """{strategy: (config keys, strategy options)} from ``NAME.KEY=VALUE`` items (values as
+    `parse_value` reads them); a strategy not in the run or a malformed item is an error."""
+    from lightning_spec.cli.online import KEYS, parse_value
+
+    parsed: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
+    for item in items:
+        head, sep, raw = item.partition("=")
+        name, dot, key = head.partition(".")
+        if not (sep and dot and name and key):
+            raise ValueError(f"--set {item!r}: expected NAME.KEY=VALUE")
+        if name not in strategies:
+            raise ValueError(f"--set {item!r}: {name!r} is not among --strategies {strategies}")
+        if key in ("name", "out_dir", "strategy"):
+            raise ValueError(f"--set {item!r}: {key!r} is fixed by the comparison")
+        top, own = parsed.setdefault(name, ({}, {}))
+        (top if key in KEYS else own)[key] = parse_value(raw)
+    return parsed
 
 
 def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:

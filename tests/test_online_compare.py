@@ -46,3 +46,18 @@ def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
         "lr": 1.0,
         "beta": 0.2,
     }
+
+
+def test_set_overrides_split_config_keys_from_strategy_options(compare) -> None:
+    parsed = compare.parse_overrides(
+        ["optimistic.lr=5e-1", "optimistic.drafter=runs/hydra/best", "ogd.steps_per_round=4"],
+        ["frozen", "ogd", "optimistic"],
+    )
+    assert parsed["optimistic"] == ({"drafter": "runs/hydra/best"}, {"lr": 0.5})
+    assert parsed["ogd"] == ({}, {"steps_per_round": 4})
+    with pytest.raises(ValueError, match="NAME.KEY=VALUE"):
+        compare.parse_overrides(["ogd-lr=1"], ["ogd"])
+    with pytest.raises(ValueError, match="not among"):
+        compare.parse_overrides(["dpo.beta=0.2"], ["ogd"])
+    with pytest.raises(ValueError, match="fixed"):
+        compare.parse_overrides(["ogd.out_dir=x"], ["ogd"])

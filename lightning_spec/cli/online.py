@@ -19,10 +19,22 @@ from typing import Any
 
 import yaml
 
-__all__ = ["load_config", "main"]
+__all__ = ["load_config", "main", "parse_value"]
 
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
-        "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window"}  # fmt: skip
+        "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
+        "record_feedback"}  # fmt: skip
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line option value: a number when it reads as one (``1e-3`` too, which YAML
+    1.1 keeps as a string), else YAML (booleans, lists, strings)."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return yaml.safe_load(raw)
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -133,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         logger=logger,
         guard=guard,
         regret_window=int(config.get("regret_window", 0)),
+        record_feedback=bool(config.get("record_feedback", False)),
     )
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]

@@ -60,6 +60,7 @@ __all__ = [
     "feedback_batch",
     "make_strategy",
     "online_loss",
+    "online_metrics",
     "rejection_slots",
 ]
 
@@ -91,10 +92,11 @@ def feedback_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | Non
             "attention_mask": attention}  # fmt: skip
 
 
-def online_loss(
-    drafter: Drafter, batch: dict[str, Tensor], *, ttt_steps: int = 2, decay: float = 0.8
-) -> tuple[Tensor, int]:
-    """(loss, label count): TTT cross-entropy against the committed next tokens (module doc)."""
+def _step_terms(
+    drafter: Drafter, batch: dict[str, Tensor], ttt_steps: int
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """(per TTT step log-probs [B, T-1, V'], draft-vocabulary labels [B, T-1], masks
+    [steps, B, T-1]): the pieces `online_loss` and `online_metrics` read."""
     device = next(drafter.parameters()).device
     ids = batch["input_ids"].to(device)
     features = batch["features"].to(device)
@@ -107,13 +109,40 @@ def online_loss(
     label_draft = labels if draft_ids is None else drafter.target_to_draft_ids(labels)
     in_vocab = (label_draft >= 0).long()
     masks = ttt_loss_masks(loss_mask, steps=ttt_steps) * in_vocab.unsqueeze(0).float()
-    step_losses = []
-    for step, output in enumerate(outputs):
-        log_q = torch.log_softmax(output.logits.float(), dim=-1)
-        picked = log_q.gather(-1, label_draft.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        step_losses.append(losses.masked_mean(values=-picked, mask=masks[step]))
-    total = losses.ttt_total_loss(step_losses=torch.stack(step_losses), decay=decay)
-    return total, int(masks[0].sum())
+    log_qs = [torch.log_softmax(output.logits.float(), dim=-1) for output in outputs]
+    return log_qs, label_draft.clamp_min(0), masks
+
+
+def _ttt_cross_entropy(log_qs: list[Tensor], labels: Tensor, masks: Tensor, decay: float) -> Tensor:
+    step_losses = [
+        losses.masked_mean(values=-log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+                           mask=masks[step])
+        for step, log_q in enumerate(log_qs)
+    ]  # fmt: skip
+    return losses.ttt_total_loss(step_losses=torch.stack(step_losses), decay=decay)
+
+
+def online_loss(
+    drafter: Drafter, batch: dict[str, Tensor], *, ttt_steps: int = 2, decay: float = 0.8
+) -> tuple[Tensor, int]:
+    """(loss, label count): TTT cross-entropy against the committed next tokens (module doc)."""
+    log_qs, labels, masks = _step_terms(drafter, batch, ttt_steps)
+    return _ttt_cross_entropy(log_qs, labels, masks, decay), int(masks[0].sum())
+
+
+@torch.no_grad()
+def online_metrics(
+    drafter: Drafter, batch: dict[str, Tensor], *, ttt_steps: int = 2, decay: float = 0.8
+) -> dict[str, float]:
+    """The model's fit to a round, without an update: ``loss`` (as `online_loss`) and
+    ``top1_k`` (share of labelled positions whose TTT step k argmax is the committed token;
+    top1_0 is the first draft token's acceptance rate on a chain at T = 0)."""
+    log_qs, labels, masks = _step_terms(drafter, batch, ttt_steps)
+    metrics = {"loss": float(_ttt_cross_entropy(log_qs, labels, masks, decay))}
+    for step, log_q in enumerate(log_qs):
+        hits = (log_q.argmax(-1) == labels).float()
+        metrics[f"top1_{step}"] = float(losses.masked_mean(values=hits, mask=masks[step]))
+    return metrics
 
 
 class OnlineStrategy(Protocol):

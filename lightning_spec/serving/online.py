@@ -42,7 +42,13 @@ from lightning_spec.serving.stream import Request
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SafetyGuard", "prequential_summary", "run_stream"]
+__all__ = [
+    "SafetyGuard",
+    "load_feedback",
+    "prequential_summary",
+    "run_stream",
+    "save_feedback",
+]
 
 CHECKPOINT = "round.pt"
 REQUESTS = "requests.jsonl"
@@ -100,7 +106,7 @@ def _guarded_update(
     generations: list[Any],
     guard: SafetyGuard | None,
 ) -> dict[str, Any]:
-    if guard is None:
+    if guard is None or strategy.name == "frozen":  # nothing to roll back: no probe to pay for
         return strategy.update(generations)
     tic = time.perf_counter()
     before = guard.tau(target, strategy.drafter, policy)
@@ -131,11 +137,15 @@ def run_stream(
     logger: Any = None,
     guard: SafetyGuard | None = None,
     regret_window: int = 0,
+    record_feedback: bool = False,
 ) -> list[dict[str, Any]]:
     """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
     request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
     (optional) rolls back updates that lower a held-out probe's tau (`SafetyGuard`);
-    `regret_window` > 0 logs `regret_proxy` every that many rounds (see `regret_proxy`)."""
+    `regret_window` > 0 logs `regret_proxy` every that many rounds (see `regret_proxy`);
+    `record_feedback` saves each round's served generations (tokens, step records, kept
+    features) to ``feedback/round-NNNN.pt``, so strategies and learning rates can be compared
+    offline on the very same feedback (`bench/online_replay.py`) without serving again."""
     require_drafter_policy(policy, "the OnlineSpec stream (it learns from the rejected drafts)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -176,6 +186,8 @@ def run_stream(
             }
             logged.append(row)
             _append(out / REQUESTS, row)
+        if record_feedback:
+            save_feedback(out, index, generations)
         if regret_window > 0:
             window.append((_served_weights(strategy), generations))
         update = _guarded_update(target, strategy, policy, generations, guard)
@@ -212,6 +224,34 @@ def run_stream(
             summary["prequential_tau"], summary["tokens_per_s"], update["update_seconds"],
         )  # fmt: skip
     return logged
+
+
+FEEDBACK = "feedback"
+
+
+def save_feedback(out: Path, index: int, generations: list[Any]) -> Path:
+    """Write one round's generations atomically to ``out/feedback/round-NNNN.pt``."""
+    from lightning_spec.io import atomic_path
+
+    path = out / FEEDBACK / f"round-{index:04d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        torch.save(generations, tmp)
+    return path
+
+
+def load_feedback(folder: str | Path) -> list[list[Any]]:
+    """Every recorded round of a stream folder (or its ``feedback/`` folder), in round order;
+    an error that says so when none was recorded."""
+    root = Path(folder)
+    if (root / FEEDBACK).is_dir():
+        root = root / FEEDBACK
+    paths = sorted(root.glob("round-*.pt"))
+    if not paths:
+        raise FileNotFoundError(
+            f"no recorded rounds in {root}: serve the stream with `record_feedback: true`"
+        )
+    return [torch.load(path, map_location="cpu", weights_only=False) for path in paths]
 
 
 def _served_weights(strategy: OnlineStrategy) -> dict[str, torch.Tensor]:
