@@ -51,13 +51,29 @@ def summarize(out: Path, strategies: list[str]) -> dict[str, Any]:
             "net_tokens_per_s": _net(rounds[name]),
             "rolled_back": sum(r.get("rolled_back", 0.0) for r in rounds[name]),
         }
+        for domain in dict.fromkeys(r.get("domain", "?") for r in requests[name]):
+            picked = [r["tau"] for r in requests[name]
+                      if r.get("domain", "?") == domain and r["tau"] == r["tau"]]  # fmt: skip
+            entry[f"tau@{domain}"] = sum(picked) / len(picked) if picked else None
         if base and name != "frozen":
-            paired = [r["tau"] - base[r["request"]] for r in requests[name] if r["request"] in base]
+            both = [
+                (r["tau"], base[r["request"]])
+                for r in requests[name]
+                if r["tau"] == r["tau"]
+                and base.get(r["request"]) == base.get(r["request"])
+                and r["request"] in base
+            ]  # fmt: skip  (NaN != NaN drops unfinished requests)
+            paired = [a - b for a, b in both]
             entry["paired_gain"] = sum(paired) / len(paired) if paired else None
             entry["paired_gain_ci"] = stats.bootstrap_ci(paired)
             frozen = table.get("frozen", {}).get("prequential_tau")
             if frozen and entry["prequential_tau"]:
                 entry["relative_gain"] = entry["prequential_tau"] / frozen - 1
+            # the relative gain of the mean over the same requests, resampled in pairs
+            entry["relative_gain_ci"] = stats.bootstrap_ci(
+                ([a for a, _ in both], [b for _, b in both]),
+                lambda a, b: stats.ratio_of_sums_of(a, b) - 1,
+            )
         table[name] = entry
     return table
 

@@ -39,6 +39,9 @@ def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
     low, high = table["ogd"]["paired_gain_ci"]
     assert 0.0 <= low <= 0.3 <= high
     assert table["ogd"]["relative_gain"] == pytest.approx(0.15)
+    low, high = table["ogd"]["relative_gain_ci"]
+    assert 0.0 <= low <= 0.15 <= high
+    assert table["ogd"]["tau@?"] == pytest.approx(2.3)
     assert table["ogd"]["net_tokens_per_s"] == pytest.approx(15.0)
     assert table["ogd"]["rolled_back"] == 1.0
     assert compare.plot(tmp_path, ["frozen", "ogd"]).stat().st_size > 1000
