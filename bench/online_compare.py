@@ -177,10 +177,10 @@ def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """The shared options each strategy accepts (frozen: only ttt_steps)."""
     accepted = {
         "frozen": {"ttt_steps"},
-        "ogd": {"lr", "steps_per_round", "ttt_steps", "grad_clip"},
+        "ogd": {"lr", "steps_per_round", "ttt_steps", "grad_clip", "buffer_rounds"},
         "optimistic": {"lr", "ttt_steps", "grad_clip", "momentum"},
         "ensemble": {"lr", "steps_per_round", "ttt_steps", "grad_clip", "learners", "ratio",
-                     "epsilon", "weighting", "temperature"},
+                     "epsilon", "weighting", "temperature", "buffer_rounds"},
         "osd": {"lr", "steps_per_round", "ttt_steps", "grad_clip", "buffer_rounds"},
         "dpo": {"lr", "steps_per_round", "grad_clip", "beta"},
     }[name]  # fmt: skip

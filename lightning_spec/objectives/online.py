@@ -186,7 +186,9 @@ class FrozenStrategy:
 class OGDStrategy:
     """Online gradient descent: `steps_per_round` AdamW steps on each round's loss.
 
-    The reported ``online_loss`` is the loss of the model that SERVED the round (before the
+    ``buffer_rounds`` > 1 trains each step on the mean loss of the last that many rounds (a
+    replay buffer: a round of a few requests is a noisy sample of its domain). The reported
+    ``online_loss`` is the loss of the model that SERVED the round on that round (before the
     update), the quantity dynamic regret is measured on.
     """
 
@@ -200,33 +202,45 @@ class OGDStrategy:
         steps_per_round: int = 2,
         ttt_steps: int = 2,
         grad_clip: float = 0.5,
+        buffer_rounds: int = 1,
         betas: tuple[float, float] = (0.9, 0.95),
     ) -> None:
-        if lr <= 0 or steps_per_round < 1:
-            raise ValueError("ogd needs lr > 0 and steps_per_round >= 1")
+        if lr <= 0 or steps_per_round < 1 or buffer_rounds < 1:
+            raise ValueError(f"{self.name} needs lr > 0, steps_per_round >= 1, buffer_rounds >= 1")
         self.drafter = copy.deepcopy(drafter).float()
         self.steps_per_round = int(steps_per_round)
         self.ttt_steps = int(ttt_steps)
         self.grad_clip = float(grad_clip)
+        self.buffer_rounds = int(buffer_rounds)
+        self.buffer: list[dict[str, Tensor]] = []
         parameters = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(parameters, lr=lr, betas=betas, weight_decay=0.0)
 
+    def round_batch(self, generations: Sequence[Generation]) -> dict[str, Tensor] | None:
+        """The training tensors of a served round (the hook `OSDStrategy` narrows)."""
+        return feedback_batch(generations)
+
     def update(self, generations: Sequence[Generation]) -> dict[str, float]:
-        batch = feedback_batch(generations)
-        if batch is None:
-            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
         tic = time.perf_counter()
+        batch = self.round_batch(generations)
+        if batch is not None:
+            self.buffer = (self.buffer + [batch])[-self.buffer_rounds :]
+        if not self.buffer:
+            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
         self.drafter.train()
         served_loss = float("nan")
         labels = 0
         for step in range(self.steps_per_round):
-            loss, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
-            if step == 0:
-                served_loss = float(loss.detach())
-            if not torch.isfinite(loss):
+            total = torch.zeros(())
+            for held in self.buffer:
+                loss, count = online_loss(self.drafter, held, ttt_steps=self.ttt_steps)
+                total = total + loss / len(self.buffer)
+                if step == 0 and held is batch:
+                    served_loss, labels = float(loss.detach()), count
+            if not torch.isfinite(total):
                 break  # a non-finite round changes nothing (logged by the caller as NaN)
             self.optimizer.zero_grad()
-            loss.backward()
+            total.backward()
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
             self.optimizer.step()
         self.drafter.eval()
@@ -234,14 +248,17 @@ class OGDStrategy:
             "online_loss": served_loss,
             "update_seconds": time.perf_counter() - tic,
             "labels": float(labels),
+            "buffer_rounds": float(len(self.buffer)),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "buffer": self.buffer}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.buffer = list(state.get("buffer", []))  # checkpoints before the buffer: empty
 
 
 def _trainable(drafter: Drafter) -> list[Tensor]:
@@ -338,6 +355,7 @@ class EnsembleStrategy:
         steps_per_round: int = 1,
         ttt_steps: int = 2,
         grad_clip: float = 0.5,
+        buffer_rounds: int = 1,
     ) -> None:
         if learners < 1 or ratio <= 0 or epsilon <= 0 or temperature <= 0:
             raise ValueError("ensemble needs learners >= 1, ratio, epsilon, temperature > 0")
@@ -345,7 +363,7 @@ class EnsembleStrategy:
             raise ValueError(f"weighting must be hedge or softmax, got {weighting!r}")
         self.learners = [
             OGDStrategy(drafter, lr=lr * ratio**i, steps_per_round=steps_per_round,
-                        ttt_steps=ttt_steps, grad_clip=grad_clip)
+                        ttt_steps=ttt_steps, grad_clip=grad_clip, buffer_rounds=buffer_rounds)
             for i in range(learners)
         ]  # fmt: skip
         self.rates = [lr * ratio**i for i in range(learners)]
@@ -442,8 +460,9 @@ def _rejection_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | N
     return batch
 
 
-class OSDStrategy:
-    """OSD: distillation at rejected positions from a buffer of recent rounds."""
+class OSDStrategy(OGDStrategy):
+    """OSD: distillation at rejected positions from a buffer of recent rounds (OGD whose round
+    batch keeps only the positions of rejected drafts)."""
 
     name = "osd"
 
@@ -457,50 +476,11 @@ class OSDStrategy:
         ttt_steps: int = 1,
         grad_clip: float = 0.5,
     ) -> None:
-        if buffer_rounds < 1:
-            raise ValueError("osd needs buffer_rounds >= 1")
-        self.learner = OGDStrategy(drafter, lr=lr, steps_per_round=steps_per_round,
-                                   ttt_steps=ttt_steps, grad_clip=grad_clip)  # fmt: skip
-        self.drafter = self.learner.drafter
-        self.buffer_rounds = int(buffer_rounds)
-        self.buffer: list[dict[str, Tensor]] = []
+        super().__init__(drafter, lr=lr, steps_per_round=steps_per_round, ttt_steps=ttt_steps,
+                         grad_clip=grad_clip, buffer_rounds=buffer_rounds)  # fmt: skip
 
-    def update(self, generations: Sequence[Generation]) -> dict[str, float]:
-        tic = time.perf_counter()
-        batch = _rejection_batch(generations)
-        if batch is not None:
-            self.buffer = (self.buffer + [batch])[-self.buffer_rounds :]
-        if not self.buffer:
-            return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
-        served = float("nan")
-        labels = 0
-        self.drafter.train()
-        for step in range(self.learner.steps_per_round):
-            total = torch.zeros(())
-            for round_batch in self.buffer:
-                loss, count = online_loss(
-                    self.drafter, round_batch, ttt_steps=self.learner.ttt_steps
-                )
-                total = total + loss / len(self.buffer)
-                labels = count if round_batch is self.buffer[-1] else labels
-            if step == 0:
-                served = float(total.detach())
-            if not torch.isfinite(total):
-                break
-            self.learner.optimizer.zero_grad()
-            total.backward()
-            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.learner.grad_clip)
-            self.learner.optimizer.step()
-        self.drafter.eval()
-        return {"online_loss": served, "update_seconds": time.perf_counter() - tic,
-                "labels": float(labels), "buffer_rounds": float(len(self.buffer))}  # fmt: skip
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"learner": self.learner.state_dict(), "buffer": self.buffer}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.learner.load_state_dict(state["learner"])
-        self.buffer = list(state["buffer"])
+    def round_batch(self, generations: Sequence[Generation]) -> dict[str, Tensor] | None:
+        return _rejection_batch(generations)
 
 
 def _pair_logprobs(

@@ -4,6 +4,7 @@ killed stream resumes at its round with the same results as an uninterrupted one
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
@@ -250,3 +251,23 @@ def test_regret_proxy_is_zero_for_frozen_and_logged_per_window(
         assert len(values) == 2  # rounds 2 and 4 close a window
         if name == "frozen":
             assert values == pytest.approx([0.0, 0.0], abs=1e-6)
+
+
+def test_ogd_replay_buffer_trains_on_recent_rounds_and_resumes_with_them(
+    target: TargetModel,
+) -> None:
+    drafter = HELPERS._drafter(target)
+    generations = _round(target, drafter, count=3)
+    first, second = generations[:2], generations[2:]
+    ogd = make_strategy("ogd", drafter, lr=3e-3, steps_per_round=2, buffer_rounds=2)
+    assert ogd.update(first)["buffer_rounds"] == 1.0
+    state = copy.deepcopy(ogd.state_dict())  # what the round checkpoint saves
+    result = ogd.update(second)
+    assert result["buffer_rounds"] == 2.0 and result["labels"] > 0
+    resumed = make_strategy("ogd", drafter, lr=3e-3, steps_per_round=2, buffer_rounds=2)
+    resumed.load_state_dict(state)
+    assert len(resumed.buffer) == 1  # the buffer is part of the round checkpoint
+    again = resumed.update(second)
+    assert again["online_loss"] == pytest.approx(result["online_loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="buffer_rounds"):
+        make_strategy("ogd", drafter, buffer_rounds=0)
