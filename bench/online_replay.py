@@ -147,22 +147,21 @@ def main(argv: list[str] | None = None) -> int:
     target = specs.resolve_target(args.target, "fp32")
     drafter = specs.resolve_drafter(args.drafter, target)
     domains = round_domains(args.feedback, len(feedback))
-    per_variant = {}
+    per_variant: dict[str, list[dict[str, float]]] = {}
+    reference = variants[0][0]
     for name, strategy, options in variants:
         tic = time.perf_counter()
         per_variant[name] = replay(drafter, feedback, strategy, options, ttt_steps=args.ttt_steps)
         print(f"{name}: {len(per_variant[name])} rounds in {time.perf_counter() - tic:.0f} s",
               file=sys.stderr)  # fmt: skip
-    reference = variants[0][0]
-    table = summarize(per_variant, domains, reference)
-    result = {"feedback": str(args.feedback), "drafter": args.drafter, "domains": domains,
-              "reference": reference, "variants": {n: {"strategy": s, **o} for n, s, o in variants},
-              "table": table, "rounds": per_variant}  # fmt: skip
-    text = json.dumps(result, indent=1)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text)
-    print(json.dumps(table, indent=1))
+        table = summarize(per_variant, domains, reference)
+        if args.output:  # after every variant: a long sweep stopped early keeps what it measured
+            result = {"feedback": str(args.feedback), "drafter": args.drafter, "domains": domains,
+                      "reference": reference, "table": table, "rounds": per_variant,
+                      "variants": {n: {"strategy": s, **o} for n, s, o in variants}}  # fmt: skip
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(result, indent=1))
+    print(json.dumps(summarize(per_variant, domains, reference), indent=1))
     return 0
 
 
