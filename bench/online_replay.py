@@ -19,7 +19,6 @@ top1_0 is the chain's first-token acceptance, a proxy of tau, not tau.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time
@@ -73,7 +72,8 @@ def replay(
     """Per round: the served model's metrics on the round, then the update's metrics."""
     from lightning_spec.objectives.online import feedback_batch, make_strategy, online_metrics
 
-    strategy = make_strategy(strategy_name, copy.deepcopy(drafter), **options)
+    # every learning strategy trains its own copy and frozen never writes: `drafter` stays as given
+    strategy = make_strategy(strategy_name, drafter, **options)
     rows = []
     for generations in feedback:
         batch = feedback_batch(generations)
