@@ -47,6 +47,7 @@ from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.target import TargetModel
 from lightning_spec.objectives import losses
 from lightning_spec.objectives.base import BatchKeyError
+from lightning_spec.objectives.replay_cache import TensorLRU, tensor_key
 from lightning_spec.objectives.sft import EagleSFT, _draft_ids
 
 __all__ = ["DraftOPD", "ReplayBlocks", "replay_blocks"]
@@ -130,6 +131,7 @@ class DraftOPD(EagleSFT):
         k3_clamp: float = 10.0,
         score_max_tokens: int = 512,
         prepack_target: bool = False,
+        target_cache_bytes: int = 1_000_000_000,
         ttt_steps: int = 3,
         ttt_decay: float = 0.8,
         lr: float = 3e-4,
@@ -159,6 +161,9 @@ class DraftOPD(EagleSFT):
             k3_clamp: Clamp of r = log p - log q in the k3 estimator.
             score_max_tokens: Block rows per target scoring forward (bounds memory).
             prepack_target: CPU fp32: prepack the frozen target's linear weights (faster).
+            target_cache_bytes: Keep the target's part of each replay (its rows and features,
+                which depend only on the rollout) in memory up to this many bytes, so the
+                revisits of a rollout between refreshes cost only the drafter; 0 = off.
             ttt_steps: Unroll steps of the validation token loss (EAGLE-3 TTT).
             ttt_decay: Weight decay**k of unroll step k of that loss.
             lr: Peak learning rate of AdamW (paper: 3e-4).
@@ -178,6 +183,8 @@ class DraftOPD(EagleSFT):
             raise ValueError(f"anchors must be errors or random, got {anchors!r}")
         if not 0 < gamma <= 1:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
+        if target_cache_bytes < 0:
+            raise ValueError(f"target_cache_bytes must be >= 0, got {target_cache_bytes}")
         super().__init__(
             target=target,
             target_dtype=target_dtype,
@@ -202,6 +209,10 @@ class DraftOPD(EagleSFT):
             lambda_rejected=lambda_rejected,
         )
         self._generator = torch.Generator().manual_seed(int(seed))
+        # random anchors move every visit: nothing would ever be served from the cache
+        self._target_cache = (
+            TensorLRU(target_cache_bytes) if target_cache_bytes and anchors == "errors" else None
+        )
         self._accepted_seen = 0
         self._rejected_seen = 0
         if prepack_target:
@@ -276,6 +287,25 @@ class DraftOPD(EagleSFT):
         device = ids.device
         anchors = blocks.anchors.to(device)
         prefix = ids[:, : int(anchors.max()) + 1]  # every anchor is a committed root here
+        cache, key = self._target_cache, None
+        if cache is not None:
+            key = tensor_key(prefix, blocks.anchors, blocks.lengths, blocks.chains)
+            hit = cache.get(key)
+            if hit is not None:
+                target_rows, features = hit
+                assert target_rows is not None
+                return target_rows, self._draft_rows(prefix, anchors, blocks, features)
+        target_rows, features = self._target_replay(prefix, anchors, blocks)
+        if cache is not None:
+            cache.put(key, (target_rows, features))
+        return target_rows, self._draft_rows(prefix, anchors, blocks, features)
+
+    def _target_replay(
+        self, prefix: Tensor, anchors: Tensor, blocks: ReplayBlocks
+    ) -> tuple[Tensor, Tensor | None]:
+        """The target's side of a replay: its rows at every block slot (drafter vocabulary
+        convention) and the features the drafter reads; independent of the drafter."""
+        device = prefix.device
         with torch.no_grad():
             output = self.target(prefix, output_features=self.drafter.needs_features)
             chains = []
@@ -298,11 +328,14 @@ class DraftOPD(EagleSFT):
                 max_tokens=int(self.hparams.score_max_tokens),
             )
             target_rows = self._target_draft_rows(scores, blocks.chains.shape[1] + 1)
-        proposer = self.drafter.sequence_proposer(
-            prefix, anchors, features=output.features
-        )
-        draft_rows = proposer.path_rows(blocks.chains.to(device), draft_space=True)
-        return target_rows, draft_rows
+        return target_rows, output.features
+
+    def _draft_rows(
+        self, prefix: Tensor, anchors: Tensor, blocks: ReplayBlocks, features: Tensor | None
+    ) -> Tensor:
+        """The drafter's rows at every block slot, through the decoding seam (with grads)."""
+        proposer = self.drafter.sequence_proposer(prefix, anchors, features=features)
+        return proposer.path_rows(blocks.chains.to(prefix.device), draft_space=True)
 
     def _replay(self, ids: Tensor, blocks: ReplayBlocks) -> dict[str, Tensor]:
         """Per-slot KL terms and masks of one sequence (flattened over blocks and slots)."""
@@ -390,6 +423,9 @@ class DraftOPD(EagleSFT):
             self.log(f"train/{name}", float(result[key]))
         self.log("train/accepted_seen", float(self._accepted_seen))
         self.log("train/rejected_seen", float(self._rejected_seen))
+        if self._target_cache is not None:
+            looked_up = self._target_cache.hits + self._target_cache.misses
+            self.log("train/target_cache_hit_rate", self._target_cache.hits / max(1, looked_up))
         self.log_lr()
         return loss
 

@@ -192,3 +192,31 @@ def test_draft_opd_trains_in_lightning_and_resumes_its_counters(
     fresh.on_load_checkpoint(checkpoint)
     fresh.load_state_dict(checkpoint["state_dict"], strict=True)
     assert fresh._accepted_seen == module._accepted_seen > 0
+
+
+def test_the_target_cache_serves_revisits_with_identical_losses_and_gradients(
+    target: TargetModel, trained_state: dict
+) -> None:
+    """A revisit of the same rollouts is served the target's side from the cache and gives
+    exactly the loss and drafter gradients of a fresh computation; a changed rollout misses."""
+    plain = _module(target, trained_state, target_cache_bytes=0)
+    cached = _module(target, trained_state)
+    assert plain._target_cache is None and cached._target_cache is not None
+    batch, _ = _rollout_batch(plain)
+    for visit in range(2):
+        cached.drafter.zero_grad()
+        cached_loss = cached.opd_loss(batch)["loss"]
+        cached_loss.backward()
+        plain.drafter.zero_grad()
+        plain_loss = plain.opd_loss(batch)["loss"]
+        plain_loss.backward()
+        assert float(cached_loss.detach()) == float(plain_loss.detach()), visit
+        assert torch.equal(cached.drafter.fc.weight.grad, plain.drafter.fc.weight.grad), visit
+    rows = int(batch["input_ids"].shape[0])
+    assert (cached._target_cache.misses, cached._target_cache.hits) == (rows, rows)
+    changed = dict(batch, step_accept_length=batch["step_accept_length"].clamp(max=1))
+    cached.opd_loss(changed)
+    assert cached._target_cache.misses > rows
+    assert _module(target, trained_state, anchors="random")._target_cache is None
+    with pytest.raises(ValueError, match="target_cache_bytes"):
+        _module(target, trained_state, target_cache_bytes=-1)
