@@ -287,17 +287,15 @@ class DraftOPD(EagleSFT):
         device = ids.device
         anchors = blocks.anchors.to(device)
         prefix = ids[:, : int(anchors.max()) + 1]  # every anchor is a committed root here
-        cache, key = self._target_cache, None
-        if cache is not None:
+        cache, key, side = self._target_cache, None, None
+        if cache is not None:  # (an empty cache is falsy: it has a length)
             key = tensor_key(prefix, blocks.anchors, blocks.lengths, blocks.chains)
-            hit = cache.get(key)
-            if hit is not None:
-                target_rows, features = hit
-                assert target_rows is not None
-                return target_rows, self._draft_rows(prefix, anchors, blocks, features)
-        target_rows, features = self._target_replay(prefix, anchors, blocks)
-        if cache is not None:
-            cache.put(key, (target_rows, features))
+            side = cache.get(key)
+        if side is None:
+            side = self._target_replay(prefix, anchors, blocks)
+            if cache is not None:
+                cache.put(key, side)
+        target_rows, features = side
         return target_rows, self._draft_rows(prefix, anchors, blocks, features)
 
     def _target_replay(
