@@ -1,0 +1,192 @@
+"""Exact greedy rollouts replayed over a known continuation: the decoder without its target loop.
+
+At T = 0 what speculative decoding commits does not depend on the drafter: it is the target's
+greedy continuation, whatever was drafted. What the drafter changes is only *where* each
+verification step starts (its anchor), what it drafted there and what the target rejected. So
+once a prompt's greedy continuation is known (from one real rollout), a rollout of any later
+drafter on that prompt can be rebuilt exactly, with no token-by-token target loop:
+
+1. One teacher-forced target pass over prompt + continuation gives the features the drafter
+   reads and the target's rows along the committed text.
+2. The drafter drafts a tree at every continuation position at once, through the decoder's own
+   seam (`Drafter.sequence_proposer` + `TreePolicy.build_batch`, as GTO does).
+3. Walking from the first generated token, each anchor's tree is verified by the decoder's own
+   `verify_greedy_argmax`, with the target's argmax known along the committed text (the next
+   committed token) and unknown elsewhere; the step commits what verification accepts and the
+   walk moves to the next anchor.
+
+The continuation must be the target's greedy one: every committed token is checked against the
+teacher-forced rows (a token whose logit is below its row's maximum by more than `tolerance`
+raises `ReplayMismatch`; the tolerance absorbs ties that batched and incremental arithmetic may
+break differently).
+
+The records equal the real decoder's (tests compare them step by step), except where the real
+step had target rows that lie off the committed text, i.e. below a rejected node: there
+`target_argmax` is -1 and `target_token_logprobs` NaN. Those rows score nodes verification never
+tried, which no objective reads (Draft-OPD reads the tried-and-rejected nodes, whose parents lie
+on the committed text). Sampled rollouts (T > 0) depend on the drafter and cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from lightning_spec.decoding.build import TreePolicy
+from lightning_spec.decoding.engine import Generation, StepRecord, _without_rows
+from lightning_spec.decoding.tree import DraftTree
+from lightning_spec.decoding.verify import verify_greedy_argmax
+from lightning_spec.models.drafters.base import Drafter
+from lightning_spec.models.drafters.proposer import absorbed_offset
+from lightning_spec.models.target import TargetModel
+
+__all__ = ["ReplayMismatch", "check_greedy", "committed_argmax", "replay_greedy"]
+
+
+class ReplayMismatch(RuntimeError):
+    """A replayed step committed a token the continuation does not hold (not a greedy one)."""
+
+
+def committed_argmax(tree: DraftTree, following: Tensor) -> tuple[Tensor, Tensor]:
+    """The target's greedy argmax over a tree's rows where the committed text determines it.
+
+    `following` [D] holds the committed tokens after the root (following[d] is the token at
+    depth d + 1; shorter than the tree near the end of the text). Returns (argmax [N + 1],
+    known [N + 1]): row 0 (the root) and the row of every node whose path equals the committed
+    text carry the next committed token; the other rows, and rows past the end, are -1 and not
+    known (greedy verification never accepts a child of such a row).
+    """
+    n = tree.num_nodes
+    argmax = torch.full((n + 1,), -1, dtype=torch.long)
+    known = torch.zeros(n + 1, dtype=torch.bool)
+    depth_known = int(following.shape[0])
+    if depth_known == 0:
+        return argmax, known
+    argmax[0], known[0] = following[0], True
+    tokens, parents, depth = tree.tokens.cpu(), tree.parents.cpu(), tree.depth.cpu()
+    on_text = torch.zeros(n + 1, dtype=torch.bool)  # row i + 1: node i's path is the text
+    on_text[0] = True
+    for node in torch.argsort(depth, stable=True).tolist():  # parents before children
+        d = int(depth[node])
+        if d > depth_known or not bool(on_text[int(parents[node]) + 1]):
+            continue
+        if int(tokens[node]) == int(following[d - 1]):
+            on_text[node + 1] = True
+            if d < depth_known:
+                argmax[node + 1], known[node + 1] = following[d], True
+    return argmax, known
+
+
+def check_greedy(rows: Tensor, tokens: Tensor, *, tolerance: float, offset: int = 0) -> None:
+    """Raise `ReplayMismatch` unless each of `tokens` [T] is the argmax of its row of `rows`
+    [T, V] up to `tolerance` (in logits); `offset` only names positions in the message."""
+    picked = rows.gather(1, tokens.to(rows.device).unsqueeze(1)).squeeze(1)
+    gap = rows.amax(dim=-1) - picked
+    bad = (gap > tolerance).nonzero().flatten()
+    if bad.numel():
+        at = int(bad[0])
+        raise ReplayMismatch(
+            f"the continuation is not the target's greedy one: at position {offset + at} it "
+            f"holds token {int(tokens[at])}, {float(gap[at]):.4g} logits below the target's "
+            f"argmax {int(rows[at].argmax())} ({bad.numel()} such positions)"
+        )
+
+
+@torch.no_grad()
+def replay_greedy(
+    target: TargetModel,
+    drafter: Drafter,
+    policy: TreePolicy,
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+    *,
+    drafter_version: str | None = None,
+    tolerance: float = 1e-3,
+) -> Generation:
+    """The greedy rollout `drafter` would make on `prompt`, rebuilt from its known greedy
+    `continuation` (the new tokens a real T = 0 rollout committed; see the module docstring)."""
+    prompt, continuation = [int(t) for t in prompt], [int(t) for t in continuation]
+    if not prompt or not continuation:
+        raise ValueError("a replay needs a prompt and at least the first generated token")
+    tic = time.perf_counter()
+    start = len(prompt)  # position of the first generated token: the first root
+    ids = torch.tensor([prompt + continuation], device=target.device)
+    length = int(ids.shape[1])
+    records: list[StepRecord] = []
+    if start < absorbed_offset(drafter):
+        raise ValueError(f"the prompt must hold at least {absorbed_offset(drafter)} tokens")
+    if length - 1 > start:
+        drafter.bind_target(target)
+        output = target(
+            ids, output_features=drafter.needs_features, use_cache=False,
+            logits_to_keep=length - start + 1,
+        )  # fmt: skip
+        # the prefill's row first (it chose the first generated token), then row j + 1: the
+        # target after position start + j
+        every = output.logits[0].float()
+        check_greedy(every[:-1], ids[0, start:], tolerance=tolerance, offset=start)
+        rows = every[1:]
+        roots = torch.arange(start, length - 1, device=ids.device)
+        draft_tic = time.perf_counter()
+        proposer = drafter.sequence_proposer(ids, roots, features=output.features)
+        trees = policy.build_batch(proposer, temperature=0.0)
+        proposer.finish()
+        draft_seconds = (time.perf_counter() - draft_tic) / max(1, len(trees))
+        by_root = dict(zip(roots.tolist(), trees, strict=True))
+        anchor = start
+        while anchor < length - 1:
+            record = _replayed_step(
+                by_root[anchor], anchor, ids[0], rows[anchor - start :], draft_seconds
+            )
+            records.append(replace(record, drafter_version=drafter_version))
+            anchor += len(record.committed)
+    eos = target.eos_token_ids
+    return Generation(
+        prompt=prompt,
+        tokens=continuation,
+        records=records,
+        total_seconds=time.perf_counter() - tic,
+        stopped_on_eos=continuation[-1] in eos,
+        drafter_version=drafter_version,
+    )
+
+
+def _replayed_step(
+    tree: DraftTree, anchor: int, ids: Tensor, rows: Tensor, draft_seconds: float
+) -> StepRecord:
+    """The record of the verification step at `anchor` (rows[d]: the target at anchor + d)."""
+    tic = time.perf_counter()
+    tree = _without_rows(tree).to("cpu")
+    following = ids[anchor + 1 :].cpu()
+    argmax, known = committed_argmax(tree, following)
+    verification = verify_greedy_argmax(tree, argmax)
+    committed = verification.committed_tokens(tree)
+    # the text ends: a cut, as in the decoder (budget or EOS); committed equals the text by
+    # construction (verification read its argmax from it)
+    count = min(len(committed), int(following.shape[0]))
+    n = tree.num_nodes
+    logprobs = torch.full((n,), float("nan"))
+    if n:
+        parent_rows = tree.parents + 1
+        readable = known[parent_rows]  # the parent's row lies on the committed text
+        if bool(readable.any()):
+            depth_of_row = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth])
+            at = depth_of_row[parent_rows[readable]].to(rows.device)
+            scored = torch.log_softmax(rows[at], dim=-1)
+            picked = scored.gather(1, tree.tokens[readable].to(rows.device).unsqueeze(1))
+            logprobs[readable] = picked.squeeze(1).cpu()
+    record = StepRecord(
+        anchor=anchor,
+        tree=tree,
+        target_token_logprobs=logprobs,
+        target_argmax=argmax,
+        accepted=verification.accepted.cpu(),
+        committed=committed,
+        temperature=0.0,
+        timings={"draft": draft_seconds, "verify": time.perf_counter() - tic, "update": 0.0},
+    )
+    return record.cut(count)
