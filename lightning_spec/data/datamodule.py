@@ -443,6 +443,11 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_tree: ``on_policy``: tree policy of the rollouts (``chain:4``, ``dynamic:...``).
         rollout_temperature: ``on_policy``: 0 = greedy rollouts, > 0 = sampled.
         rollout_target_rows: ``on_policy``: top-k target log-probs kept per tried row (0 = none).
+        rollout_pool: ``on_policy``: rotate through only the first N training prompts (0 = all),
+            so prompts come back under later drafters.
+        rollout_replay: ``on_policy``, greedy: decode each prompt once and rebuild its later
+            rollouts exactly from the remembered continuation (`ReplayingRolloutSource`; no
+            target loop), which makes revisits (``rollout_pool``) cheap.
         text_format: ``auto`` (the chat template; plain-text continuation for a tokenizer
             without one, i.e. a base model), ``chat`` (the template, or a made-up role format
             without one) or ``plain`` (plain text even with a template); see `data.chat`.
@@ -476,6 +481,8 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_tree: str = "chain:4",
         rollout_temperature: float = 0.0,
         rollout_target_rows: int = 0,
+        rollout_pool: int = 0,
+        rollout_replay: bool = False,
         text_format: str = "auto",
     ) -> None:
         super().__init__()
@@ -493,6 +500,15 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if rollout_prompts < 1 or rollout_max_new_tokens < 1:
             raise ValueError("rollout_prompts and rollout_max_new_tokens must be >= 1")
+        if rollout_pool < 0:
+            raise ValueError(
+                f"rollout_pool must be >= 0 (0 = every training prompt), got {rollout_pool}"
+            )
+        if rollout_replay and (rollout_temperature > 0 or rollout_target_rows > 0):
+            raise ValueError(
+                "rollout_replay rebuilds greedy rollouts only: it needs rollout_temperature 0 "
+                "(a sampled rollout depends on the drafter) and rollout_target_rows 0"
+            )
         if not 0.0 <= regenerated_fraction <= 1.0:
             raise ValueError("regenerated_fraction must be in [0, 1]")
         if not 0.0 <= val_fraction < 1.0:
@@ -536,6 +552,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self.rollout_tree = rollout_tree
         self.rollout_temperature = rollout_temperature
         self.rollout_target_rows = rollout_target_rows
+        self.rollout_pool = rollout_pool
+        self.rollout_replay = rollout_replay
+        self._source_state: dict[str, Any] | None = None  # restored before the source exists
         self.buffer = OnPolicyBuffer(rollout_prompts)
         self.rollout_source: Any = None
         self._prompts: list[list[int]] = []
@@ -1098,23 +1117,35 @@ class RolloutDataModule(pl.LightningDataModule):
         if self._train is None:
             self.setup("fit")
         if self.rollout_source is None:
-            from lightning_spec.decoding.source import DecoderRolloutSource
-
-            self.rollout_source = DecoderRolloutSource(
-                self.target_model,
-                tree=self.rollout_tree,
-                max_new_tokens=self.rollout_max_new_tokens,
-                temperature=self.rollout_temperature,
-                seed=self.seed,
-                keep_target_rows=self.rollout_target_rows,
-            )
+            self.rollout_source = self._build_rollout_source()
         start = self.buffer.refreshes * self.rollout_prompts
-        prompts = [
-            self._prompts[(start + i) % len(self._prompts)] for i in range(self.rollout_prompts)
-        ]
+        pool = min(self.rollout_pool or len(self._prompts), len(self._prompts))
+        prompts = [self._prompts[(start + i) % pool] for i in range(self.rollout_prompts)]
         version = version or f"step-{step}"
         generations = self.rollout_source.generate(drafter, prompts, version=version)
         self.buffer.replace(generations, version=version, step=step, max_length=self.max_length)
+
+    def _build_rollout_source(self) -> Any:
+        from lightning_spec.decoding.source import DecoderRolloutSource, ReplayingRolloutSource
+
+        if self.rollout_replay:
+            source: Any = ReplayingRolloutSource(
+                self.target_model,
+                tree=self.rollout_tree,
+                max_new_tokens=self.rollout_max_new_tokens,
+                seed=self.seed,
+            )
+            if self._source_state is not None:
+                source.load_state_dict(self._source_state)
+            return source
+        return DecoderRolloutSource(
+            self.target_model,
+            tree=self.rollout_tree,
+            max_new_tokens=self.rollout_max_new_tokens,
+            temperature=self.rollout_temperature,
+            seed=self.seed,
+            keep_target_rows=self.rollout_target_rows,
+        )
 
     def train_dataloader(self) -> DataLoader:
         if self._train is None:
@@ -1162,6 +1193,11 @@ class RolloutDataModule(pl.LightningDataModule):
         state = {"epoch": epoch, "batches_consumed": batches, "seed": self.seed, "mode": self.mode}
         if self.mode == "on_policy":
             state["on_policy"] = self.buffer.state_dict()
+            source_state = getattr(self.rollout_source, "state_dict", None)
+            if source_state is not None:
+                state["rollout_source"] = source_state()
+            elif self._source_state is not None:  # restored, not yet rebuilt
+                state["rollout_source"] = self._source_state
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1178,6 +1214,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self._position.drawn = self._position.resume_batches
         if self.mode == "on_policy" and "on_policy" in state_dict:
             self.buffer.load_state_dict(state_dict["on_policy"])
+        if self.mode == "on_policy" and "rollout_source" in state_dict:
+            self._source_state = state_dict["rollout_source"]
+            load = getattr(self.rollout_source, "load_state_dict", None)
+            if load is not None:
+                load(self._source_state)
 
 
 class ResumableDataLoader(DataLoader):

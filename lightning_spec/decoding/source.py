@@ -4,7 +4,9 @@ Objectives that train on the drafter's own decoding (Draft-OPD, on-policy SFT) n
 made by the *current* drafter under real verification. `RolloutSource` is that seam: the
 built-in `DecoderRolloutSource` runs our `SpeculativeDecoder`; a serving-engine adapter (SGLang,
 vLLM, for 8B-70B targets) can implement the same protocol and nothing else changes, because the
-records are the engine's own `StepRecord`s (ARCHITECTURE.md, Scale).
+records are the engine's own `StepRecord`s (ARCHITECTURE.md, Scale). `ReplayingRolloutSource`
+remembers each prompt's greedy continuation and rebuilds later greedy rollouts of the same prompt
+exactly, for any drafter, without the target's token-by-token loop (`decoding.replay`).
 
 Rollouts are made without gradients, in eval mode and outside any autocast context, so the
 training precision never changes what the decoder commits (greedy output stays the target's).
@@ -16,20 +18,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from lightning_spec.decoding.build import TreePolicy, parse_tree_spec
 from lightning_spec.decoding.engine import Generation, SpeculativeDecoder
 from lightning_spec.decoding.lookup import require_drafter_policy
+from lightning_spec.decoding.replay import replay_greedy
 from lightning_spec.metrics import tau_from_records
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecoderRolloutSource", "RolloutSource"]
+__all__ = ["DecoderRolloutSource", "ReplayingRolloutSource", "RolloutSource"]
 
 
 @runtime_checkable
@@ -89,24 +92,120 @@ class DecoderRolloutSource:
                     )
         finally:
             drafter.train(was_training)
-        seconds = time.perf_counter() - tic
-        tokens = sum(len(g.tokens) for g in results)
-        tau = tau_from_records([r for g in results for r in g.records])
-        self.last_throughput = {
-            "rollout_seconds": seconds,
-            "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "rollout_tau": float("nan") if tau is None else tau,
-        }
-        log.info(
-            "rollouts: %d prompts, %d tokens in %.1f s (%.1f tok/s, tau %.2f, drafter %s)",
-            len(results),
-            tokens,
-            seconds,
-            self.last_throughput["rollout_tokens_per_s"],
-            self.last_throughput["rollout_tau"],
-            version,
-        )
+        self.last_throughput = _throughput(results, time.perf_counter() - tic)
+        _log_rollouts("rollouts", results, self.last_throughput, version)
         return results
+
+
+class ReplayingRolloutSource:
+    """Greedy rollouts that decode each prompt once and replay it afterwards.
+
+    At T = 0 the committed text does not depend on the drafter, so a prompt's first rollout
+    (the real decoder, `DecoderRolloutSource`) fixes its continuation for good; every later
+    rollout of that prompt, by whatever drafter, is rebuilt exactly from it (`replay_greedy`:
+    one teacher-forced target pass and batched drafting instead of a target forward per step).
+    The continuations are the source's state (`state_dict`), so a resumed run keeps them.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        *,
+        tree: str | TreePolicy = "chain:4",
+        max_new_tokens: int = 64,
+        seed: int = 0,
+    ) -> None:
+        self.live = DecoderRolloutSource(
+            target, tree=tree, max_new_tokens=max_new_tokens, temperature=0.0, seed=seed
+        )
+        self.target = target
+        self.policy = self.live.policy
+        self.max_new_tokens = int(max_new_tokens)
+        self.continuations: dict[tuple[int, ...], list[int]] = {}
+        self.last_throughput: dict[str, float] = {}
+
+    def generate(
+        self, drafter: Drafter, prompts: Sequence[Sequence[int]], *, version: str | None = None
+    ) -> list[Generation]:
+        keys = [tuple(int(t) for t in prompt) for prompt in prompts]
+        fresh = list(dict.fromkeys(k for k in keys if k not in self.continuations))
+        tic = time.perf_counter()
+        decoded: dict[tuple[int, ...], Generation] = {}
+        if fresh:
+            generations = self.live.generate(drafter, [list(k) for k in fresh], version=version)
+            for key, generation in zip(fresh, generations, strict=True):
+                self.continuations[key] = list(generation.tokens)
+                decoded[key] = generation
+        live_seconds = time.perf_counter() - tic
+        was_training = drafter.training
+        drafter.eval()
+        results: list[Generation] = []
+        try:
+            with torch.no_grad(), _no_autocast(self.target.device):
+                for key in keys:
+                    generation = decoded.pop(key, None)  # a repeat in one call is replayed
+                    if generation is None:
+                        generation = replay_greedy(
+                            self.target,
+                            drafter,
+                            self.policy,
+                            list(key),
+                            self.continuations[key],
+                            drafter_version=version,
+                        )
+                    results.append(generation)
+        finally:
+            drafter.train(was_training)
+        seconds = time.perf_counter() - tic
+        self.last_throughput = _throughput(results, seconds)
+        replayed = len(keys) - len(fresh)
+        replay_tokens = sum(len(self.continuations[k]) for k in keys) - sum(
+            len(self.continuations[k]) for k in fresh
+        )
+        replay_seconds = seconds - live_seconds
+        self.last_throughput.update(
+            rollout_decoded=float(len(fresh)),
+            rollout_replayed=float(replayed),
+            rollout_replay_tokens_per_s=replay_tokens / replay_seconds
+            if replayed and replay_seconds > 0
+            else float("nan"),
+        )
+        _log_rollouts(f"rollouts ({replayed} replayed)", results, self.last_throughput, version)
+        return results
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"continuations": [[list(k), v] for k, v in self.continuations.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.continuations = {
+            tuple(int(t) for t in key): [int(t) for t in tokens]
+            for key, tokens in state.get("continuations", [])
+        }
+
+
+def _throughput(results: Sequence[Generation], seconds: float) -> dict[str, float]:
+    tokens = sum(len(g.tokens) for g in results)
+    tau = tau_from_records([r for g in results for r in g.records])
+    return {
+        "rollout_seconds": seconds,
+        "rollout_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "rollout_tau": float("nan") if tau is None else tau,
+    }
+
+
+def _log_rollouts(
+    what: str, results: Sequence[Generation], throughput: dict[str, float], version: str | None
+) -> None:
+    log.info(
+        "%s: %d prompts, %d tokens in %.1f s (%.1f tok/s, tau %.2f, drafter %s)",
+        what,
+        len(results),
+        sum(len(g.tokens) for g in results),
+        throughput["rollout_seconds"],
+        throughput["rollout_tokens_per_s"],
+        throughput["rollout_tau"],
+        version,
+    )
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:

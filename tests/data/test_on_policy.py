@@ -38,7 +38,8 @@ class Recording(EagleSFT):
         return super().training_step(batch, batch_idx)
 
 
-def _module(tmp_path: Path, chats: Path, tokenizer, target) -> RolloutDataModule:  # noqa: ANN001
+def _module(tmp_path: Path, chats: Path, tokenizer, target, **overrides) -> RolloutDataModule:  # noqa: ANN001, ANN003
+    options = {"rollout_prompts": 4, "rollout_tree": "dynamic:3,2,6"} | overrides
     module = RolloutDataModule.from_objects(
         tokenizer=tokenizer,
         target_model=target,
@@ -48,11 +49,10 @@ def _module(tmp_path: Path, chats: Path, tokenizer, target) -> RolloutDataModule
         max_length=64,
         val_fraction=0.0,
         batch_size=2,
-        rollout_prompts=4,
         rollout_max_new_tokens=8,
-        rollout_tree="dynamic:3,2,6",
         prompts_for_eval=str(chats),
         progress=False,
+        **options,
     )
     return module
 
@@ -121,6 +121,56 @@ def test_on_policy_rollouts_refresh_and_resume(tmp_path: Path, chats, chat_token
     assert part.seen + resumed.seen == full.seen
     assert [r.input_ids for r in resumed_data.buffer.records] != saved  # refreshed again at 4
     assert resumed_data.buffer.refreshes == 3
+
+
+def test_replayed_pool_rollouts_equal_decoded_ones_and_resume(  # noqa: ANN001
+    tmp_path: Path, chats, chat_tokenizer, tiny_target
+) -> None:
+    """rollout_pool + rollout_replay: prompts come back, revisits are replayed (no decoding),
+    the replayed rollouts equal what the decoder makes for the drafter of the time, and a
+    resumed run keeps the remembered continuations."""
+    from lightning_spec.decoding.source import DecoderRolloutSource
+
+    data = chats(24, seed=3)
+    options = {"rollout_pool": 4, "rollout_replay": True, "rollout_prompts": 2}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full_data = _module(tmp_path / "a", data, chat_tokenizer, tiny_target, **options)
+        full = _objective(tiny_target)
+        _trainer(tmp_path / "a", 6, [RefreshRollouts(every_n_steps=2)]).fit(full, full_data)
+        source = full_data.rollout_source
+        assert len(source.continuations) == 4  # the pool, decoded once each
+        assert source.last_throughput["rollout_replayed"] == 2  # step 4: pool prompts 0 and 1
+        assert source.last_throughput["rollout_decoded"] == 0
+        prompts = [r.input_ids[: r.meta["prompt_tokens"]] for r in full_data.buffer.records]
+        decoded = DecoderRolloutSource(
+            tiny_target, tree="dynamic:3,2,6", max_new_tokens=8
+        ).generate(full.drafter, prompts, version="step-4")
+        for record, generation in zip(full_data.buffer.records, decoded, strict=True):
+            assert record.input_ids[record.meta["prompt_tokens"] :] == generation.tokens
+            assert [(s["anchor"], s["committed"]) for s in record.steps] == [
+                (r.anchor, r.committed) for r in generation.records
+            ]
+
+        ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True)
+        part_data = _module(tmp_path / "b", data, chat_tokenizer, tiny_target, **options)
+        part = _objective(tiny_target)
+        _trainer(tmp_path / "b", 3, [RefreshRollouts(every_n_steps=2), ckpt]).fit(part, part_data)
+        resumed_data = _module(tmp_path / "c", data, chat_tokenizer, tiny_target, **options)
+        resumed = _objective(tiny_target)
+        _trainer(tmp_path / "c", 6, [RefreshRollouts(every_n_steps=2)]).fit(
+            resumed, resumed_data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+        )
+    assert part.seen + resumed.seen == full.seen
+    assert resumed_data.rollout_source.last_throughput["rollout_decoded"] == 0  # remembered
+    assert len(resumed_data.rollout_source.continuations) == 4
+
+
+def test_replay_needs_greedy_rollouts() -> None:
+    with pytest.raises(ValueError, match="rollout_temperature 0"):
+        RolloutDataModule(mode="on_policy", rollout_replay=True, rollout_temperature=1.0)
+    with pytest.raises(ValueError, match="rollout_pool"):
+        RolloutDataModule(mode="on_policy", rollout_pool=-1)
 
 
 def test_online_mode_name_is_refused() -> None:
