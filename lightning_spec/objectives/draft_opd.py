@@ -14,8 +14,11 @@ the target made and judged on states it made itself. Draft-OPD trains on its own
    (`Drafter.sequence_proposer` + `path_rows`, one teacher-forced pass per sequence serves
    all anchors), giving the drafter's rows at block slots k = 1 .. n + 1; the target's rows at
    the same slots come from the shared tree-scoring module (`score_trees_target` over the
-   chains, exact: every slot's context is the committed prefix, which is also the context every
-   tried-and-rejected draft was verified in).
+   committed text from the first anchor on, one chain; exact: every slot's context is the
+   committed prefix, which is also the context every tried-and-rejected draft was verified
+   in). That side depends on the text alone and is cached per text (`target_cache_bytes`), so
+   revisits, and greedy rollouts replayed for later drafters (`rollout_replay`), cost only the
+   drafter.
 3. Loss: forward KL(p || q) at the slots of accepted tokens (k <= n); reverse KL(q || p) at the
    slots where drafts were rejected, weighted gamma^(k-1); L = (l_a L_acc + l_r L_rej) /
    (l_a + l_r) (`losses.draft_opd_loss`). ``kl="exact"`` (default) compares whole rows;
@@ -162,8 +165,8 @@ class DraftOPD(EagleSFT):
             score_max_tokens: Block rows per target scoring forward (bounds memory).
             prepack_target: CPU fp32: prepack the frozen target's linear weights (faster).
             target_cache_bytes: Keep the target's part of each replay (its rows and features,
-                which depend only on the rollout) in memory up to this many bytes, so the
-                revisits of a rollout between refreshes cost only the drafter; 0 = off.
+                which depend only on the rollout's text) in memory up to this many bytes, so
+                revisits of a text cost only the drafter; 0 = off.
             ttt_steps: Unroll steps of the validation token loss (EAGLE-3 TTT).
             ttt_decay: Weight decay**k of unroll step k of that loss.
             lr: Peak learning rate of AdamW (paper: 3e-4).
@@ -283,50 +286,61 @@ class DraftOPD(EagleSFT):
     def replay_rows(self, ids: Tensor, blocks: ReplayBlocks) -> tuple[Tensor, Tensor]:
         """(target rows, drafter rows) [S, W + 1, V_draft] of log-probs at block slots 1..W+1
         of every block (W = longest chain), in the configured vocabulary convention; the
-        drafter's rows carry gradients when they are enabled."""
+        drafter's rows carry gradients when they are enabled.
+
+        Every slot's context is committed text, so the target's side is its rows along the
+        text from the first anchor on (one chain through the shared scoring module) and the
+        text's features: a function of the text alone, cached per text, so a rollout replayed
+        for a later drafter (same text, other anchors) is served from the cache too."""
         device = ids.device
-        anchors = blocks.anchors.to(device)
-        prefix = ids[:, : int(anchors.max()) + 1]  # every anchor is a committed root here
+        anchors, lengths = blocks.anchors.to(device), blocks.lengths.to(device)
+        first = int(anchors.min())
+        text = ids[:, : int((anchors + lengths).max()) + 1]
         cache, key, side = self._target_cache, None, None
         if cache is not None:  # (an empty cache is falsy: it has a length)
-            key = tensor_key(prefix, blocks.anchors, blocks.lengths, blocks.chains)
+            key = tensor_key(text, torch.tensor([first]))
             side = cache.get(key)
         if side is None:
-            side = self._target_replay(prefix, anchors, blocks)
+            side = self._target_text(text, first)
             if cache is not None:
                 cache.put(key, side)
-        target_rows, features = side
-        return target_rows, self._draft_rows(prefix, anchors, blocks, features)
+        text_rows, features = side
+        # slot j of a block of n accepted tokens reads the row at anchor + min(j, n) (slots past
+        # n + 1 are masked by the loss; they repeat the last real row)
+        slots = torch.arange(blocks.chains.shape[1] + 1, device=device).unsqueeze(0)
+        index = (anchors - first).unsqueeze(1) + torch.minimum(slots, lengths.unsqueeze(1))
+        prefix = ids[:, : int(anchors.max()) + 1]
+        if features is not None:
+            features = features[:, : prefix.shape[1]]
+        return text_rows[index], self._draft_rows(prefix, anchors, blocks, features)
 
-    def _target_replay(
-        self, prefix: Tensor, anchors: Tensor, blocks: ReplayBlocks
-    ) -> tuple[Tensor, Tensor | None]:
-        """The target's side of a replay: its rows at every block slot (drafter vocabulary
-        convention) and the features the drafter reads; independent of the drafter."""
-        device = prefix.device
+    def _target_text(self, text: Tensor, first: int) -> tuple[Tensor, Tensor | None]:
+        """The target's side of a replay: its rows after positions first .. end of `text`
+        [1, end + 1] (drafter vocabulary convention) and the text's features [1, end + 1, F]
+        (None when the drafter reads none); independent of the drafter."""
+        device = text.device
+        needs = self.drafter.needs_features
         with torch.no_grad():
-            output = self.target(prefix, output_features=self.drafter.needs_features)
-            chains = []
-            for s in range(anchors.shape[0]):
-                n = int(blocks.lengths[s])
-                chains.append(
-                    DraftTree(
-                        blocks.chains[s, :n].to(device),
-                        torch.arange(n, device=device) - 1,
-                        torch.zeros(n, device=device),
-                    )
-                )
-            scores = score_trees_target(
+            output = self.target(text[:, :first], output_features=needs)
+            nodes = text[0, first + 1 :]
+            chain = DraftTree(
+                nodes,
+                torch.arange(nodes.shape[0], device=device) - 1,
+                torch.zeros(nodes.shape[0], device=device),
+            )
+            score = score_trees_target(
                 self.target,
                 output.cache,
-                chains,
-                prefix[0, anchors],
-                anchors,
-                outputs=("rows",),
-                max_tokens=int(self.hparams.score_max_tokens),
-            )
-            target_rows = self._target_draft_rows(scores, blocks.chains.shape[1] + 1)
-        return target_rows, output.features
+                [chain],
+                text[0, first : first + 1],
+                torch.tensor([first], device=device),
+                outputs=("rows", "features") if needs else ("rows",),
+                max_tokens=max(int(self.hparams.score_max_tokens), nodes.shape[0] + 1),
+            )[0]
+            features = None
+            if needs:
+                features = torch.cat([output.features[0], score.features]).unsqueeze(0)
+        return self._draft_vocab_logprobs(score.rows.float()), features
 
     def _draft_rows(
         self, prefix: Tensor, anchors: Tensor, blocks: ReplayBlocks, features: Tensor | None
@@ -389,21 +403,15 @@ class DraftOPD(EagleSFT):
             "rejected_mask": torch.ones(int(usable.sum()), device=device),
         }
 
-    def _target_draft_rows(self, scores: list[Any], width: int) -> Tensor:
-        """[S, width, V_draft] target log-probs in the drafter's vocabulary convention."""
+    def _draft_vocab_logprobs(self, rows: Tensor) -> Tensor:
+        """Target logits [n, V] as log-probs [n, V_draft] in the drafter's vocabulary
+        convention (``vocabulary``: renormalised over the draft ids, or the full softmax)."""
         draft_ids = _draft_ids(self.drafter)
-        out = []
-        for score in scores:
-            rows = score.rows.float()  # [n + 1, V]
-            if self.hparams.vocabulary == "draft":
-                restricted = losses.restrict_to_draft_vocab(target_logits=rows, draft_ids=draft_ids)
-                logprobs = torch.log_softmax(restricted, dim=-1)
-            else:
-                full = torch.log_softmax(rows, dim=-1)
-                logprobs = losses.restrict_to_draft_vocab(target_logits=full, draft_ids=draft_ids)
-            pad = logprobs[-1:].expand(width - logprobs.shape[0], -1)  # masked later
-            out.append(torch.cat([logprobs, pad]))
-        return torch.stack(out)
+        if self.hparams.vocabulary == "draft":
+            restricted = losses.restrict_to_draft_vocab(target_logits=rows, draft_ids=draft_ids)
+            return torch.log_softmax(restricted, dim=-1)
+        full = torch.log_softmax(rows, dim=-1)
+        return losses.restrict_to_draft_vocab(target_logits=full, draft_ids=draft_ids)
 
     # ---------------------------------------------------------------------------- steps
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:

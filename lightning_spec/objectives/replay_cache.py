@@ -1,9 +1,9 @@
 """A byte-bounded, in-memory LRU of the frozen target's replay outputs.
 
 Draft-OPD revisits every rollout several times between refreshes (20 optimizer steps over 16
-rollouts by default), and the target's part of a replay (its forward over the prefix, the
-scoring of the committed chains, the rows in the drafter's vocabulary) depends only on the
-rollout, never on the drafter being trained. Keeping it saves most of a revisit's cost; the
+rollouts by default), and replayed greedy rollouts bring the same texts back under later
+drafters; the target's part of a replay (its forward over the text, its rows along it in the
+drafter's vocabulary) depends only on the text, never on the drafter being trained. Keeping it saves most of a revisit's cost; the
 drafter's rows are always recomputed. Entries are keyed by the bytes that determine them, so a
 refreshed rollout can never be served a stale entry; old ones age out by least-recent use.
 """
