@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -44,7 +44,14 @@ from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.target import TargetModel
 
-__all__ = ["ReplayMismatch", "check_greedy", "committed_argmax", "replay_greedy"]
+__all__ = [
+    "ReplayMismatch",
+    "TextPass",
+    "check_greedy",
+    "committed_argmax",
+    "replay_greedy",
+    "text_pass",
+]
 
 
 class ReplayMismatch(RuntimeError):
@@ -96,6 +103,24 @@ def check_greedy(rows: Tensor, tokens: Tensor, *, tolerance: float, offset: int 
         )
 
 
+@dataclass
+class TextPass:
+    """What a replay needs of the target over prompt + continuation; a function of the text
+    alone, so a caller may keep it for the next replay of the same text."""
+
+    features: Tensor | None
+    """[1, L, F] the target's features of every token (None when the drafter reads none)."""
+    last_hidden: Tensor
+    """[L - start + 1, H] final hidden states from the prompt's last token on (the rows)."""
+
+
+@torch.no_grad()
+def text_pass(target: TargetModel, ids: Tensor, start: int, *, features: bool) -> TextPass:
+    """One teacher-forced target pass over `ids` [1, L] whose continuation starts at `start`."""
+    output = target(ids, output_features=features, use_cache=False, logits_to_keep=1)
+    return TextPass(output.features, output.last_hidden[0, start - 1 :])
+
+
 @torch.no_grad()
 def replay_greedy(
     target: TargetModel,
@@ -106,9 +131,11 @@ def replay_greedy(
     *,
     drafter_version: str | None = None,
     tolerance: float = 1e-3,
+    text: TextPass | None = None,
 ) -> Generation:
     """The greedy rollout `drafter` would make on `prompt`, rebuilt from its known greedy
-    `continuation` (the new tokens a real T = 0 rollout committed; see the module docstring)."""
+    `continuation` (the new tokens a real T = 0 rollout committed; see the module docstring).
+    `text`: the target's pass over this text from an earlier replay (`text_pass`)."""
     prompt, continuation = [int(t) for t in prompt], [int(t) for t in continuation]
     if not prompt or not continuation:
         raise ValueError("a replay needs a prompt and at least the first generated token")
@@ -121,18 +148,18 @@ def replay_greedy(
         raise ValueError(f"the prompt must hold at least {absorbed_offset(drafter)} tokens")
     if length - 1 > start:
         drafter.bind_target(target)
-        output = target(
-            ids, output_features=drafter.needs_features, use_cache=False,
-            logits_to_keep=length - start + 1,
-        )  # fmt: skip
+        if text is None:
+            text = text_pass(target, ids, start, features=drafter.needs_features)
+        if drafter.needs_features and text.features is None:
+            raise ValueError("the drafter reads target features: the text pass holds none")
         # the prefill's row first (it chose the first generated token), then row j + 1: the
         # target after position start + j
-        every = output.logits[0].float()
+        every = target.head_logits(text.last_hidden).float()
         check_greedy(every[:-1], ids[0, start:], tolerance=tolerance, offset=start)
         rows = every[1:]
         roots = torch.arange(start, length - 1, device=ids.device)
         draft_tic = time.perf_counter()
-        proposer = drafter.sequence_proposer(ids, roots, features=output.features)
+        proposer = drafter.sequence_proposer(ids, roots, features=text.features)
         trees = policy.build_batch(proposer, temperature=0.0)
         proposer.finish()
         draft_seconds = (time.perf_counter() - draft_tic) / max(1, len(trees))

@@ -25,10 +25,11 @@ import torch
 from lightning_spec.decoding.build import TreePolicy, parse_tree_spec
 from lightning_spec.decoding.engine import Generation, SpeculativeDecoder
 from lightning_spec.decoding.lookup import require_drafter_policy
-from lightning_spec.decoding.replay import replay_greedy
+from lightning_spec.decoding.replay import TextPass, replay_greedy, text_pass
 from lightning_spec.metrics import tau_from_records
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.target import TargetModel
+from lightning_spec.tensor_lru import TensorLRU, tensor_key
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,9 @@ class ReplayingRolloutSource:
     (the real decoder, `DecoderRolloutSource`) fixes its continuation for good; every later
     rollout of that prompt, by whatever drafter, is rebuilt exactly from it (`replay_greedy`:
     one teacher-forced target pass and batched drafting instead of a target forward per step).
-    The continuations are the source's state (`state_dict`), so a resumed run keeps them.
+    That pass depends on the text alone and is kept up to `cache_bytes` (its features and final
+    hidden states), so a revisit costs only the drafter. The continuations are the source's
+    state (`state_dict`), so a resumed run keeps them.
     """
 
     def __init__(
@@ -114,6 +117,7 @@ class ReplayingRolloutSource:
         tree: str | TreePolicy = "chain:4",
         max_new_tokens: int = 64,
         seed: int = 0,
+        cache_bytes: int = 500_000_000,
     ) -> None:
         self.live = DecoderRolloutSource(
             target, tree=tree, max_new_tokens=max_new_tokens, temperature=0.0, seed=seed
@@ -122,6 +126,7 @@ class ReplayingRolloutSource:
         self.policy = self.live.policy
         self.max_new_tokens = int(max_new_tokens)
         self.continuations: dict[tuple[int, ...], list[int]] = {}
+        self.cache = TensorLRU(cache_bytes)
         self.last_throughput: dict[str, float] = {}
 
     def generate(
@@ -145,14 +150,7 @@ class ReplayingRolloutSource:
                 for key in keys:
                     generation = decoded.pop(key, None)  # a repeat in one call is replayed
                     if generation is None:
-                        generation = replay_greedy(
-                            self.target,
-                            drafter,
-                            self.policy,
-                            list(key),
-                            self.continuations[key],
-                            drafter_version=version,
-                        )
+                        generation = self._replay(drafter, key, version)
                     results.append(generation)
         finally:
             drafter.train(was_training)
@@ -172,6 +170,27 @@ class ReplayingRolloutSource:
         )
         _log_rollouts(f"rollouts ({replayed} replayed)", results, self.last_throughput, version)
         return results
+
+    def _replay(self, drafter: Drafter, prompt: tuple[int, ...], version: str | None) -> Generation:
+        """One replay, with the target's pass over the text from the cache when it is there."""
+        continuation = self.continuations[prompt]
+        ids = torch.tensor([list(prompt) + continuation], device=self.target.device)
+        key = tensor_key(ids)
+        kept = self.cache.get(key)
+        if kept is not None and (kept[0] is not None or not drafter.needs_features):
+            text = TextPass(kept[0], kept[1])
+        else:
+            text = text_pass(self.target, ids, len(prompt), features=drafter.needs_features)
+            self.cache.put(key, (text.features, text.last_hidden))
+        return replay_greedy(
+            self.target,
+            drafter,
+            self.policy,
+            list(prompt),
+            continuation,
+            drafter_version=version,
+            text=text,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"continuations": [[list(k), v] for k, v in self.continuations.items()]}

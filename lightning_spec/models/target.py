@@ -287,6 +287,17 @@ class TargetModel(nn.Module):
             out[lo : lo + rows] = head(flat[lo : lo + rows].to(head.weight.dtype)).argmax(-1)
         return out.reshape(last_hidden.shape[:-1])
 
+    @torch.no_grad()
+    def head_logits(self, last_hidden: Tensor) -> Tensor:
+        """The LM head's logits [..., V] on final hidden states [..., H], soft-capped where the
+        family caps them (`final_logit_softcapping`), as the model's own forward does."""
+        head = self.model.get_output_embeddings()
+        logits = head(last_hidden.to(head.weight.dtype))
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def new_cache(self) -> object:
         from transformers import DynamicCache
 

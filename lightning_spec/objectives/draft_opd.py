@@ -50,7 +50,7 @@ from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.target import TargetModel
 from lightning_spec.objectives import losses
 from lightning_spec.objectives.base import BatchKeyError
-from lightning_spec.objectives.replay_cache import TensorLRU, tensor_key
+from lightning_spec.tensor_lru import TensorLRU, tensor_key
 from lightning_spec.objectives.sft import EagleSFT, _draft_ids
 
 __all__ = ["DraftOPD", "ReplayBlocks", "replay_blocks"]

@@ -135,3 +135,30 @@ def test_check_greedy_tolerates_ties_only() -> None:
     check_greedy(rows, torch.tensor([2, 0]), tolerance=1e-3)  # a tie within the tolerance
     with pytest.raises(ReplayMismatch, match="position 7"):
         check_greedy(rows, torch.tensor([1, 1]), tolerance=1e-3, offset=6)
+
+
+def test_replaying_source_decodes_once_then_replays_from_its_cache(models: dict) -> None:
+    from lightning_spec.decoding.source import ReplayingRolloutSource
+
+    target, drafter = models["target"], models["trained"]
+    source = ReplayingRolloutSource(target, tree="dynamic:4,3,12", max_new_tokens=16)
+    prompts = models["prompts"][:2]
+
+    def steps(generations: list) -> list:
+        return [
+            [(r.anchor, r.committed, r.accepted.tolist()) for r in g.records] for g in generations
+        ]
+
+    decoded = source.generate(drafter, prompts, version="a")
+    assert source.last_throughput["rollout_decoded"] == 2
+    replayed = source.generate(drafter, prompts, version="b")  # the text passes are computed
+    assert source.last_throughput["rollout_replayed"] == 2
+    assert (source.cache.misses, source.cache.hits) == (2, 0)
+    again = source.generate(drafter, prompts, version="c")  # and now served from the cache
+    assert (source.cache.misses, source.cache.hits) == (2, 2)
+    assert steps(decoded) == steps(replayed) == steps(again)
+    assert [g.tokens for g in again] == [g.tokens for g in decoded]
+    restored = ReplayingRolloutSource(target, tree="dynamic:4,3,12", max_new_tokens=16)
+    restored.load_state_dict(source.state_dict())
+    assert steps(restored.generate(drafter, prompts)) == steps(decoded)
+    assert restored.last_throughput["rollout_decoded"] == 0

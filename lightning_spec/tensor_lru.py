@@ -1,11 +1,11 @@
-"""A byte-bounded, in-memory LRU of the frozen target's replay outputs.
+"""A byte-bounded, in-memory LRU of the frozen target's outputs over texts.
 
-Draft-OPD revisits every rollout several times between refreshes (20 optimizer steps over 16
-rollouts by default), and replayed greedy rollouts bring the same texts back under later
-drafters; the target's part of a replay (its forward over the text, its rows along it in the
-drafter's vocabulary) depends only on the text, never on the drafter being trained. Keeping it saves most of a revisit's cost; the
-drafter's rows are always recomputed. Entries are keyed by the bytes that determine them, so a
-refreshed rollout can never be served a stale entry; old ones age out by least-recent use.
+The target is frozen, so whatever it computes over a text (features, rows, final hidden
+states) can be kept for as long as memory allows. Draft-OPD revisits every rollout several
+times between refreshes, and replayed greedy rollouts (`decoding.replay`) bring the same texts
+back under later drafters: keeping the target's side saves most of a revisit's cost, while the
+drafter's side is always recomputed. Entries are keyed by the bytes that determine them, so a
+changed text can never be served a stale entry; old ones age out by least-recent use.
 """
 
 from __future__ import annotations

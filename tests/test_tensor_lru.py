@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_spec.objectives.replay_cache import TensorLRU, tensor_key
+from lightning_spec.tensor_lru import TensorLRU, tensor_key
 
 
 def test_keys_depend_on_values_shapes_and_dtypes() -> None:
