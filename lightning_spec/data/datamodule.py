@@ -448,6 +448,10 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_replay: ``on_policy``, greedy: decode each prompt once and rebuild its later
             rollouts exactly from the remembered continuation (`ReplayingRolloutSource`; no
             target loop), which makes revisits (``rollout_pool``) cheap.
+        rollout_sft_mix: ``on_policy``: each rollout row also carries a training row of the
+            dataset (with its cached features when ``feature_cache_bytes`` > 0), new rows with
+            every refresh, under the batch key ``sft``: for an objective's token loss on dataset
+            text beside its on-policy loss (`DraftOPD`'s ``lambda_sft``).
         text_format: ``auto`` (the chat template; plain-text continuation for a tokenizer
             without one, i.e. a base model), ``chat`` (the template, or a made-up role format
             without one) or ``plain`` (plain text even with a template); see `data.chat`.
@@ -483,6 +487,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_target_rows: int = 0,
         rollout_pool: int = 0,
         rollout_replay: bool = False,
+        rollout_sft_mix: bool = False,
         text_format: str = "auto",
     ) -> None:
         super().__init__()
@@ -554,6 +559,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.rollout_target_rows = rollout_target_rows
         self.rollout_pool = rollout_pool
         self.rollout_replay = rollout_replay
+        self.rollout_sft_mix = rollout_sft_mix
         self._source_state: dict[str, Any] | None = None  # restored before the source exists
         self.buffer = OnPolicyBuffer(rollout_prompts)
         self.rollout_source: Any = None
@@ -1048,7 +1054,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 raise RuntimeError(
                     f"no training prompts for on-policy rollouts in {self.dataset!r}"
                 )
-            self._train = OnPolicyTable(self.buffer)  # type: ignore[assignment]
+            companion = self._train if self.rollout_sft_mix else None
+            self._train = OnPolicyTable(self.buffer, companion, self.seed)  # type: ignore[assignment]
             self._train_plan = EpochPlan(len(self._train))
         if len(self._train) == 0:
             raise RuntimeError(
@@ -1247,6 +1254,8 @@ class _Collate:
         batch = collate_records(rows, self.pad_id)
         if any("steps" in row for row in rows):
             batch.update(collate_steps(rows))
+        if all("sft" in row for row in rows) and rows:  # on-policy rows with dataset companions
+            batch["sft"] = self([row["sft"] for row in rows])
         return batch
 
 

@@ -62,7 +62,9 @@ class OnPolicyBuffer:
     def __len__(self) -> int:
         return len(self.records)
 
-    def replace(self, generations: Sequence[Any], *, version: str, step: int, max_length: int) -> None:
+    def replace(
+        self, generations: Sequence[Any], *, version: str, step: int, max_length: int
+    ) -> None:
         """New rollouts (one `Generation` per prompt) made by drafter `version` at `step`."""
         if len(generations) != self.size:
             raise ValueError(f"a refresh must bring {self.size} rollouts, got {len(generations)}")
@@ -102,10 +104,23 @@ class OnPolicyBuffer:
 
 
 class OnPolicyTable(Dataset):
-    """A map-style view of the buffer: item i is the buffer's record i at the time it is read."""
+    """A map-style view of the buffer: item i is the buffer's record i at the time it is read.
 
-    def __init__(self, buffer: OnPolicyBuffer) -> None:
+    With a `companion` table (the dataset's training records), item i also carries companion
+    row ``order[(r - 1) * size + i]`` under ``"sft"`` (r = refreshes so far, `order` a fixed
+    permutation from `seed`): objectives that add a token loss on dataset text next to the
+    on-policy loss get fresh rows with every refresh, reproducibly across a resume.
+    """
+
+    def __init__(self, buffer: OnPolicyBuffer, companion: Any = None, seed: int = 0) -> None:
         self.buffer = buffer
+        self.companion = companion
+        self._order: list[int] = []
+        if companion is not None:
+            if len(companion) == 0:
+                raise ValueError("the companion dataset table is empty")
+            generator = torch.Generator().manual_seed(int(seed))
+            self._order = torch.randperm(len(companion), generator=generator).tolist()
 
     def __len__(self) -> int:
         return self.buffer.size
@@ -128,7 +143,7 @@ class OnPolicyTable(Dataset):
         rows = record.meta.get("step_rows")
         if rows:
             attach_step_rows(steps, rows)
-        return {
+        item = {
             "id": record.id,
             "source": record.source,
             "input_ids": torch.tensor(record.input_ids, dtype=torch.long),
@@ -138,6 +153,10 @@ class OnPolicyTable(Dataset):
             "target_argmax": None,
             "steps": steps,
         }
+        if self.companion is not None:
+            at = (max(0, self.buffer.refreshes - 1) * self.buffer.size + index) % len(self._order)
+            item["sft"] = self.companion[self._order[at]]
+        return item
 
 
 def collate_steps(rows: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
@@ -186,4 +205,3 @@ def collate_steps(rows: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
                 out["rejected_target_logprobs"][b, s, :count] = step.target_token_logprobs[nodes]
                 out["rejected_draft_logprobs"][b, s, :count] = step.tree.logprobs[nodes]
     return out
-

@@ -29,7 +29,9 @@ Ablations are config fields: ``gamma: 1``, ``lambda_rejected: 0`` (all forward),
 ``lambda_accepted: 0`` (all reverse), ``anchors: random`` (the same number of blocks of the same
 lengths at random response positions instead of the drafter's error positions). The paper's
 negative control, SFT on the rollouts without replay, is `EagleSFT` on the same on-policy data
-(`configs/draft_opd_sft_control.yaml`). Validation reports the EAGLE-3 token loss on held-out
+(`configs/draft_opd_sft_control.yaml`). Our extension for budgets where rollouts are scarce:
+``lambda_sft`` > 0 adds the EAGLE-3 token loss on dataset rows that ride along with the
+rollouts (`RolloutDataModule(rollout_sft_mix=True)`). Validation reports the EAGLE-3 token loss on held-out
 dataset answers (inherited from `EagleSFT`) beside the acceptance callbacks' tau.
 """
 
@@ -50,8 +52,8 @@ from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.target import TargetModel
 from lightning_spec.objectives import losses
 from lightning_spec.objectives.base import BatchKeyError
-from lightning_spec.tensor_lru import TensorLRU, tensor_key
 from lightning_spec.objectives.sft import EagleSFT, _draft_ids
+from lightning_spec.tensor_lru import TensorLRU, tensor_key
 
 __all__ = ["DraftOPD", "ReplayBlocks", "replay_blocks"]
 
@@ -131,6 +133,7 @@ class DraftOPD(EagleSFT):
         kl: str = "exact",
         vocabulary: str = "draft",
         anchors: str = "errors",
+        lambda_sft: float = 0.0,
         k3_clamp: float = 10.0,
         score_max_tokens: int = 512,
         prepack_target: bool = False,
@@ -161,6 +164,10 @@ class DraftOPD(EagleSFT):
                 renormalised, EAGLE-3's label) or "full" (the target's full-vocabulary
                 probabilities of the draft ids; off-vocabulary mass left out as a constant).
             anchors: "errors" (the rollout's own blocks) or "random" (the ablation).
+            lambda_sft: Weight of the EAGLE-3 token loss on dataset rows (the batch's ``sft``
+                rows, `RolloutDataModule(rollout_sft_mix=True)`) added to the Draft-OPD loss:
+                where rollouts are expensive (CPU) they are few, and the token loss on the
+                dataset keeps the drafter from fitting them alone; 0 = Draft-OPD as published.
             k3_clamp: Clamp of r = log p - log q in the k3 estimator.
             score_max_tokens: Block rows per target scoring forward (bounds memory).
             prepack_target: CPU fp32: prepack the frozen target's linear weights (faster).
@@ -188,6 +195,8 @@ class DraftOPD(EagleSFT):
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
         if target_cache_bytes < 0:
             raise ValueError(f"target_cache_bytes must be >= 0, got {target_cache_bytes}")
+        if not lambda_sft >= 0:
+            raise ValueError(f"lambda_sft must be >= 0, got {lambda_sft}")
         super().__init__(
             target=target,
             target_dtype=target_dtype,
@@ -234,6 +243,11 @@ class DraftOPD(EagleSFT):
             raise BatchKeyError(
                 f"DraftOPD trains on rollouts: the batch lacks {sorted(missing)}; use "
                 "RolloutDataModule(mode='on_policy') with the RefreshRollouts callback"
+            )
+        if self.hparams.lambda_sft > 0 and "sft" not in batch:
+            raise BatchKeyError(
+                "DraftOPD(lambda_sft > 0) adds a token loss on dataset rows: the batch has no "
+                "'sft' rows; set the data module's rollout_sft_mix: true"
             )
 
     # ---------------------------------------------------------------------------- the loss
@@ -418,6 +432,11 @@ class DraftOPD(EagleSFT):
         result = self.opd_loss(batch)
         loss = result["loss"]
         assert isinstance(loss, Tensor)
+        weight = float(self.hparams.lambda_sft)
+        if weight > 0:
+            token = self._common_step(batch["sft"])
+            self.log("train/sft_loss", token.loss.detach())
+            loss = loss + weight * token.loss
         skipped = self.skip_nonfinite(loss)
         if skipped is not None:
             return skipped

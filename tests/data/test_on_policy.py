@@ -184,3 +184,21 @@ def test_empty_buffer_says_what_to_add(tmp_path: Path, chats, chat_tokenizer, ti
     module.setup("fit")
     with pytest.raises(RuntimeError, match="RefreshRollouts"):
         next(iter(module.train_dataloader()))
+
+
+def test_sft_mix_rows_ride_along_and_rotate_with_refreshes(
+    tmp_path: Path, chats, chat_tokenizer, tiny_target
+) -> None:  # noqa: ANN001
+    module = _module(tmp_path, chats(24, seed=3), chat_tokenizer, tiny_target, rollout_sft_mix=True)
+    module.prepare_data()
+    module.setup("fit")
+    drafter = _objective(tiny_target).drafter
+    module.refresh_rollouts(drafter, step=0)
+    first = [module._train[i]["sft"]["id"] for i in range(4)]
+    batch = next(iter(module.train_dataloader()))
+    assert batch["sft"]["input_ids"].shape[0] == batch["input_ids"].shape[0]
+    assert "step_mask" in batch and "step_mask" not in batch["sft"]
+    assert bool(batch["sft"]["loss_mask"].any())
+    module.refresh_rollouts(drafter, step=2)
+    second = [module._train[i]["sft"]["id"] for i in range(4)]
+    assert len(set(first)) == 4 and not set(first) & set(second)  # new dataset rows

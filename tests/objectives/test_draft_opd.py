@@ -220,3 +220,36 @@ def test_the_target_cache_serves_revisits_with_identical_losses_and_gradients(
     assert _module(target, trained_state, anchors="random")._target_cache is None
     with pytest.raises(ValueError, match="target_cache_bytes"):
         _module(target, trained_state, target_cache_bytes=-1)
+
+
+def test_lambda_sft_adds_the_token_loss_on_dataset_rows(
+    target: TargetModel, trained_state: dict, tmp_path: Path
+) -> None:
+    """lambda_sft > 0: the step's loss is the Draft-OPD loss plus lambda times the EAGLE-3
+    token loss on the batch's `sft` rows; without those rows the step says what to set."""
+    from lightning.pytorch import Trainer
+
+    from lightning_spec.objectives.base import BatchKeyError
+
+    module = _module(target, trained_state, lambda_sft=0.5)
+    batch, _ = _rollout_batch(module)
+    sft_rows = {"input_ids": batch["input_ids"], "loss_mask": batch["loss_mask"],
+                "attention_mask": batch["attention_mask"]}  # fmt: skip
+    with pytest.raises(BatchKeyError, match="rollout_sft_mix"):
+        module.on_train_batch_start(batch, 0)
+    mixed = dict(batch, sft=sft_rows)
+    with torch.no_grad():
+        expected = float(module.opd_loss(mixed)["loss"]) + 0.5 * float(
+            module._common_step(sft_rows).loss
+        )
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=1, max_epochs=1, log_every_n_steps=1,
+        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=str(tmp_path), logger=False,
+        limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=HELPERS.TinyData(mixed))
+    assert "train/sft_loss" in trainer.logged_metrics
+    assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(expected, rel=1e-4)
+    with pytest.raises(ValueError, match="lambda_sft"):
+        _module(target, trained_state, lambda_sft=-1.0)
