@@ -48,6 +48,33 @@ def _data_helpers() -> ModuleType:
     return load_module(Path(__file__).parent / "data" / "conftest.py", "data_conftest")
 
 
+def fit_on_greedy_text(target, drafter, prompts, *, length: int = 32, steps: int = 40) -> None:  # noqa: ANN001
+    """Train `drafter` (EAGLE-3) in place on the target's own greedy continuations of
+    `prompts` (each text `length` tokens): a tiny head that gets drafts accepted part of the
+    time, so decoding tests see both accepted and rejected drafts."""
+    from lightning_spec.decoding.engine import autoregressive_generate
+    from lightning_spec.objectives.sft import EagleSFT
+
+    texts = [
+        list(p) + autoregressive_generate(target, list(p), length - len(p), stop_on_eos=False)
+        for p in prompts
+    ]
+    ids = torch.tensor(texts)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    sft = EagleSFT.from_objects(target, drafter, ttt_steps=3)
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        sft._common_step(batch).loss.backward()
+        optimizer.step()
+
+
+@pytest.fixture(scope="session")
+def greedy_fit() -> Callable[..., None]:
+    """`fit_on_greedy_text`, for tests in any folder."""
+    return fit_on_greedy_text
+
+
 @pytest.fixture(scope="session")
 def bench_script() -> Callable[[str], ModuleType]:
     """bench/<name>.py as a module (the scripts are run as files, not imported as a package)."""

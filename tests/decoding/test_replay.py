@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_spec.decoding.build import parse_tree_spec
-from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
+from lightning_spec.decoding.engine import SpeculativeDecoder
 from lightning_spec.decoding.replay import (
     ReplayMismatch,
     check_greedy,
@@ -17,11 +17,10 @@ from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.sft import EagleSFT
 
 
 @pytest.fixture(scope="module")
-def models() -> dict:
+def models(greedy_fit) -> dict:  # noqa: ANN001
     """A tiny target and two EAGLE-3 heads: one trained a little on the target's own greedy
     text (so drafts are accepted part of the time) and an untrained one."""
     target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
@@ -32,18 +31,8 @@ def models() -> dict:
         )
 
     prompts = [[5, 9, 14, 3], [40, 41], [7, 100, 2, 66, 90]]
-    texts = [
-        p + autoregressive_generate(target, p, 30 - len(p), stop_on_eos=False) for p in prompts
-    ]
     trained = head()
-    ids = torch.tensor(texts)
-    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
-    sft = EagleSFT.from_objects(target, trained, ttt_steps=3)
-    optimizer = torch.optim.Adam(trained.parameters(), lr=3e-3)
-    for _ in range(40):
-        optimizer.zero_grad()
-        sft._common_step(batch).loss.backward()
-        optimizer.step()
+    greedy_fit(target, trained, prompts, length=30)
     return {
         "target": target,
         "trained": trained.eval(),

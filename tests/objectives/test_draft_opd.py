@@ -34,24 +34,23 @@ def target() -> TargetModel:
 
 
 @pytest.fixture(scope="module")
-def trained_state(target: TargetModel) -> dict:
+def trained_state(target: TargetModel, greedy_fit) -> dict:  # noqa: ANN001
     """A drafter trained a little on the target's own greedy text, so rollouts accept some
     drafts and reject others (both streams non-empty)."""
-    from lightning_spec.decoding.engine import autoregressive_generate
-    from lightning_spec.objectives.sft import EagleSFT
-
     drafter = HELPERS._drafter(target)
-    texts = [[5, 9, 14, 3] + autoregressive_generate(target, [5, 9, 14, 3], 28, stop_on_eos=False)]
-    texts.append([40, 41] + autoregressive_generate(target, [40, 41], 30, stop_on_eos=False))
-    ids = torch.tensor(texts)
-    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
-    sft = EagleSFT.from_objects(target, drafter, ttt_steps=3)
-    optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    for _ in range(40):
-        optimizer.zero_grad()
-        sft._common_step(batch).loss.backward()
-        optimizer.step()
+    greedy_fit(target, drafter, [[5, 9, 14, 3], [40, 41]])
     return {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+
+
+def _trainer(tmp_path: Path, *, steps: int):  # noqa: ANN202
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, log_every_n_steps=1,
+        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=str(tmp_path), logger=False,
+        limit_val_batches=0,
+    )  # fmt: skip
 
 
 def _module(target: TargetModel, state: dict, **overrides: object) -> DraftOPD:
@@ -170,17 +169,10 @@ def test_a_dataset_batch_is_refused_with_the_reason(
 def test_draft_opd_trains_in_lightning_and_resumes_its_counters(
     target: TargetModel, trained_state: dict, tmp_path: Path
 ) -> None:
-    from lightning.pytorch import Trainer
-
     module = _module(target, trained_state)
     batch, _ = _rollout_batch(module)
     before = module.drafter.fc.weight.clone()
-    trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=2, max_epochs=1, log_every_n_steps=1,
-        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=str(tmp_path), logger=False,
-        limit_val_batches=0,
-    )  # fmt: skip
+    trainer = _trainer(tmp_path, steps=2)
     trainer.fit(module, datamodule=HELPERS.TinyData(batch))
     assert trainer.global_step == 2
     assert not torch.equal(module.drafter.fc.weight, before)
@@ -227,8 +219,6 @@ def test_lambda_sft_adds_the_token_loss_on_dataset_rows(
 ) -> None:
     """lambda_sft > 0: the step's loss is the Draft-OPD loss plus lambda times the EAGLE-3
     token loss on the batch's `sft` rows; without those rows the step says what to set."""
-    from lightning.pytorch import Trainer
-
     from lightning_spec.objectives.base import BatchKeyError
 
     module = _module(target, trained_state, lambda_sft=0.5)
@@ -242,12 +232,7 @@ def test_lambda_sft_adds_the_token_loss_on_dataset_rows(
         expected = float(module.opd_loss(mixed)["loss"]) + 0.5 * float(
             module._common_step(sft_rows).loss
         )
-    trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=1, max_epochs=1, log_every_n_steps=1,
-        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, default_root_dir=str(tmp_path), logger=False,
-        limit_val_batches=0,
-    )  # fmt: skip
+    trainer = _trainer(tmp_path, steps=1)
     trainer.fit(module, datamodule=HELPERS.TinyData(mixed))
     assert "train/sft_loss" in trainer.logged_metrics
     assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(expected, rel=1e-4)
