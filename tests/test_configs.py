@@ -187,11 +187,19 @@ def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_
     assert {"train/loss_gto", "val/reward_gap", "val/greedy_pruned", "val/tau"} <= metrics
 
 
+@pytest.mark.parametrize(
+    ("config", "experiment", "extra"),
+    [
+        ("draft_opd.yaml", "draft_opd", set()),
+        ("draft_opd_mix_cpu.yaml", "draft_opd_mix", {"train/sft_loss"}),
+    ],
+)
 def test_cli_fit_draft_opd_on_fresh_rollouts(
-    tiny_cli_assets: dict[str, str], tmp_path: Path
+    tiny_cli_assets: dict[str, str], tmp_path: Path, config: str, experiment: str, extra: set
 ) -> None:
-    """`lightning-spec fit --config configs/draft_opd.yaml` end to end (tiny target and drafter,
-    2 steps): rollouts by the real decoder, replay, the fresh rollouts' tau in MLflow."""
+    """`lightning-spec fit --config configs/draft_opd*.yaml` end to end (tiny target and drafter,
+    2 steps): rollouts by the real decoder, replay, the fresh rollouts' tau in MLflow (and, in
+    the CPU mix, the token loss on the dataset rows)."""
     from mlflow.tracking import MlflowClient
 
     from lightning_spec.cli import main
@@ -202,7 +210,7 @@ def test_cli_fit_draft_opd_on_fresh_rollouts(
         [
             "fit",
             "--config",
-            str(ROOT / "configs" / "draft_opd.yaml"),
+            str(ROOT / "configs" / config),
             f"--model.init_args.target={tiny_cli_assets['model']}",
             f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
             f"--model.init_args.cache_dir={tmp_path / 'cache'}",
@@ -225,12 +233,11 @@ def test_cli_fit_draft_opd_on_fresh_rollouts(
     assert code == 0
     assert (run / "drafter" / "last" / "model.safetensors").is_file()
     client = MlflowClient(tracking_uri=default_tracking_uri(run))
-    experiment = client.get_experiment_by_name("draft_opd")
-    (found,) = client.search_runs([experiment.experiment_id])
+    found_experiment = client.get_experiment_by_name(experiment)
+    (found,) = client.search_runs([found_experiment.experiment_id])
     metrics = set(found.data.metrics)
-    assert {"train/loss", "train/loss_accepted", "rollout/rollout_tau", "val/tau"} <= metrics, (
-        metrics
-    )
+    expected = {"train/loss", "train/loss_accepted", "rollout/rollout_tau", "val/tau"} | extra
+    assert expected <= metrics, metrics
 
 
 def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
