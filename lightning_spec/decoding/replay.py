@@ -55,7 +55,7 @@ __all__ = [
 
 
 class ReplayMismatch(RuntimeError):
-    """A replayed step committed a token the continuation does not hold (not a greedy one)."""
+    """The continuation to replay is not the target's greedy one (`check_greedy`)."""
 
 
 def committed_argmax(tree: DraftTree, following: Tensor) -> tuple[Tensor, Tensor]:
