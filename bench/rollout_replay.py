@@ -5,8 +5,11 @@ prompts three times in one process, alone on the cores: (1) decoded (`DecoderRol
 a target forward per verification step), (2) replayed for the first time (one teacher-forced
 target pass per text, then batched drafting; `ReplayingRolloutSource`), (3) replayed again with
 the text passes cached (the drafter's work only, what a revisit under a later drafter costs).
-Every replayed step is checked against the decoded one (anchor, accepted nodes, committed
-tokens); the script fails on any difference.
+With ``--decode-batch N`` a fourth run makes the rollouts of new prompts the way
+``rollout_decode_batch`` does: the target's batched greedy answers (N at a time), then a first
+replay. Every replayed step is checked against the decoded one (anchor, accepted nodes,
+committed tokens); the script fails on any difference (a batched answer cut to its greedy
+prefix, counted in ``cut_prompts``, must be a prefix of the decoded text).
 
     python bench/rollout_replay.py --drafter DIR --prompts 16 --tree dynamic:2,4,8 --prepack \\
         --output bench/results/smollm2_rollout_replay.json
@@ -39,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--tree", default="dynamic:2,4,8")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--decode-batch", type=int, default=0, help="also time batched answers + replay (N > 0)"
+    )
     parser.add_argument("--prepack", action="store_true", help="prepack target and drafter (CPU)")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
@@ -85,6 +91,23 @@ def main(argv: list[str] | None = None) -> int:
         if _steps(generations) != _steps(decoded):
             print(f"rollout_replay: {name} differs from the decoded rollouts", file=sys.stderr)
             return 1
+    cut = 0
+    if args.decode_batch > 0:
+        batched = ReplayingRolloutSource(target, decode_batch_size=args.decode_batch, **options)
+        tic = time.perf_counter()
+        generations = batched.generate(drafter, prompts)
+        runs["batched_replayed"] = {"seconds": time.perf_counter() - tic}
+        for mine, theirs in zip(generations, decoded, strict=True):
+            whole = mine.tokens == theirs.tokens
+            cut += not whole
+            if (whole and _steps([mine]) != _steps([theirs])) or (
+                not whole and theirs.tokens[: len(mine.tokens)] != mine.tokens
+            ):
+                print(
+                    "rollout_replay: a batched rollout differs from the decoded one",
+                    file=sys.stderr,
+                )
+                return 1
     tokens = sum(len(g.tokens) for g in decoded)
     steps = sum(len(g.records) for g in decoded)
     for run in runs.values():
@@ -101,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "verification_steps": steps,
         "tau": tau_from_records([r for g in decoded for r in g.records]),
         "records_equal": True,
+        "cut_prompts": cut,
         "runs": runs,
         "command": "python bench/rollout_replay.py " + " ".join(argv or sys.argv[1:]),
     }

@@ -448,6 +448,9 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_replay: ``on_policy``, greedy: decode each prompt once and rebuild its later
             rollouts exactly from the remembered continuation (`ReplayingRolloutSource`; no
             target loop), which makes revisits (``rollout_pool``) cheap.
+        rollout_decode_batch: with ``rollout_replay``, > 0: new prompts are answered by the
+            target's batched greedy generation, this many at a time, and replayed at once (each
+            cut to its exact greedy prefix); 0 = the real decoder, one prompt at a time.
         rollout_sft_mix: ``on_policy``: each rollout row also carries a training row of the
             dataset (with its cached features when ``feature_cache_bytes`` > 0), new rows with
             every refresh, under the batch key ``sft``: for an objective's token loss on dataset
@@ -487,6 +490,7 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_target_rows: int = 0,
         rollout_pool: int = 0,
         rollout_replay: bool = False,
+        rollout_decode_batch: int = 0,
         rollout_sft_mix: bool = False,
         text_format: str = "auto",
     ) -> None:
@@ -513,6 +517,11 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(
                 "rollout_replay rebuilds greedy rollouts only: it needs rollout_temperature 0 "
                 "(a sampled rollout depends on the drafter) and rollout_target_rows 0"
+            )
+        if rollout_decode_batch < 0 or (rollout_decode_batch and not rollout_replay):
+            raise ValueError(
+                "rollout_decode_batch must be >= 0 and needs rollout_replay (batched greedy "
+                f"answers are replayed), got {rollout_decode_batch}"
             )
         if not 0.0 <= regenerated_fraction <= 1.0:
             raise ValueError("regenerated_fraction must be in [0, 1]")
@@ -559,6 +568,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.rollout_target_rows = rollout_target_rows
         self.rollout_pool = rollout_pool
         self.rollout_replay = rollout_replay
+        self.rollout_decode_batch = rollout_decode_batch
         self.rollout_sft_mix = rollout_sft_mix
         self._source_state: dict[str, Any] | None = None  # restored before the source exists
         self.buffer = OnPolicyBuffer(rollout_prompts)
@@ -1141,6 +1151,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 tree=self.rollout_tree,
                 max_new_tokens=self.rollout_max_new_tokens,
                 seed=self.seed,
+                decode_batch_size=self.rollout_decode_batch,
             )
             if self._source_state is not None:
                 source.load_state_dict(self._source_state)

@@ -170,6 +170,36 @@ def generate_batch(
     return results
 
 
+def greedy_answers(
+    target: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, batch_size: int
+) -> list[list[int]]:
+    """The target's greedy answer to each of `prompts` (token ids), `batch_size` at a time.
+
+    Batched arithmetic (left padding) may break a near-tie differently from one-at-a-time
+    decoding, so a caller that needs the exact batch-1 greedy text checks it (`ReplayingRolloutSource`
+    keeps the longest greedy prefix). Prompts are batched by length to keep padding low.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    eos_ids = sorted(target.eos_token_ids)
+    pad_id = _pad_id(target, getattr(target, "tokenizer", None), eos_ids)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: list[list[int]] = [[] for _ in prompts]
+    for begin in range(0, len(order), batch_size):
+        chunk = order[begin : begin + batch_size]
+        results = generate_batch(
+            target,
+            [prompts[i] for i in chunk],
+            settings=GenerationSettings(max_new_tokens=max_new_tokens),
+            max_new_tokens=max_new_tokens,
+            pad_id=pad_id,
+            eos_ids=eos_ids,
+        )
+        for i, (tokens, _) in zip(chunk, results, strict=True):
+            answers[i] = tokens
+    return answers
+
+
 def regenerate(
     target: Any,
     tokenizer: Any,

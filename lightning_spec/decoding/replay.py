@@ -49,6 +49,7 @@ __all__ = [
     "TextPass",
     "check_greedy",
     "committed_argmax",
+    "greedy_prefix",
     "replay_greedy",
     "text_pass",
 ]
@@ -88,11 +89,16 @@ def committed_argmax(tree: DraftTree, following: Tensor) -> tuple[Tensor, Tensor
     return argmax, known
 
 
+def _greedy_gaps(rows: Tensor, tokens: Tensor) -> Tensor:
+    """How far (in logits) each of `tokens` [T] lies below the argmax of its row of `rows` [T, V]."""
+    picked = rows.gather(1, tokens.to(rows.device).unsqueeze(1)).squeeze(1)
+    return rows.amax(dim=-1) - picked
+
+
 def check_greedy(rows: Tensor, tokens: Tensor, *, tolerance: float, offset: int = 0) -> None:
     """Raise `ReplayMismatch` unless each of `tokens` [T] is the argmax of its row of `rows`
     [T, V] up to `tolerance` (in logits); `offset` only names positions in the message."""
-    picked = rows.gather(1, tokens.to(rows.device).unsqueeze(1)).squeeze(1)
-    gap = rows.amax(dim=-1) - picked
+    gap = _greedy_gaps(rows, tokens)
     bad = (gap > tolerance).nonzero().flatten()
     if bad.numel():
         at = int(bad[0])
@@ -112,6 +118,26 @@ class TextPass:
     """[1, L, F] the target's features of every token (None when the drafter reads none)."""
     last_hidden: Tensor
     """[L - start + 1, H] final hidden states from the prompt's last token on (the rows)."""
+
+    def prefix(self, start: int, keep: int) -> TextPass:
+        """This pass cut to the first `keep` continuation tokens (the target is causal, so the
+        rows and features of a prefix do not depend on what follows it)."""
+        features = None if self.features is None else self.features[:, : start + keep].clone()
+        return TextPass(features, self.last_hidden[: keep + 1].clone())  # copies: kept alone
+
+
+@torch.no_grad()
+def greedy_prefix(
+    target: TargetModel, text: TextPass, continuation: Sequence[int], *, tolerance: float = 1e-3
+) -> int:
+    """How many leading tokens of `continuation` are the target's greedy choice (up to
+    `tolerance` logits) after the text `text` was computed over; a replay of that prefix is exact."""
+    if not continuation:
+        return 0
+    rows = target.head_logits(text.last_hidden[: len(continuation)]).float()
+    gap = _greedy_gaps(rows, torch.tensor(list(continuation), dtype=torch.long))
+    bad = (gap > tolerance).nonzero().flatten()
+    return int(bad[0]) if bad.numel() else len(continuation)
 
 
 @torch.no_grad()

@@ -123,16 +123,23 @@ def test_on_policy_rollouts_refresh_and_resume(tmp_path: Path, chats, chat_token
     assert resumed_data.buffer.refreshes == 3
 
 
+@pytest.mark.parametrize("decode_batch", [0, 3])
 def test_replayed_pool_rollouts_equal_decoded_ones_and_resume(  # noqa: ANN001
-    tmp_path: Path, chats, chat_tokenizer, tiny_target
+    tmp_path: Path, chats, chat_tokenizer, tiny_target, decode_batch: int
 ) -> None:
     """rollout_pool + rollout_replay: prompts come back, revisits are replayed (no decoding),
     the replayed rollouts equal what the decoder makes for the drafter of the time, and a
-    resumed run keeps the remembered continuations."""
+    resumed run keeps the remembered continuations. decode_batch 3: the pool's answers come
+    from batched greedy generation instead of the decoder, with the same rollouts."""
     from lightning_spec.decoding.source import DecoderRolloutSource
 
     data = chats(24, seed=3)
-    options = {"rollout_pool": 4, "rollout_replay": True, "rollout_prompts": 2}
+    options = {
+        "rollout_pool": 4,
+        "rollout_replay": True,
+        "rollout_prompts": 2,
+        "rollout_decode_batch": decode_batch,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         full_data = _module(tmp_path / "a", data, chat_tokenizer, tiny_target, **options)
@@ -171,6 +178,8 @@ def test_replay_needs_greedy_rollouts() -> None:
         RolloutDataModule(mode="on_policy", rollout_replay=True, rollout_temperature=1.0)
     with pytest.raises(ValueError, match="rollout_pool"):
         RolloutDataModule(mode="on_policy", rollout_pool=-1)
+    with pytest.raises(ValueError, match="needs rollout_replay"):
+        RolloutDataModule(mode="on_policy", rollout_decode_batch=8)
 
 
 def test_online_mode_name_is_refused() -> None:

@@ -151,3 +151,58 @@ def test_replaying_source_decodes_once_then_replays_from_its_cache(models: dict)
     restored.load_state_dict(source.state_dict())
     assert steps(restored.generate(drafter, prompts)) == steps(decoded)
     assert restored.last_throughput["rollout_decoded"] == 0
+
+
+def _steps(generations: list) -> list:
+    return [[(r.anchor, r.committed, r.accepted.tolist()) for r in g.records] for g in generations]
+
+
+def test_batched_greedy_answers_replay_as_the_decoder_rolls_out(models: dict) -> None:
+    """decode_batch_size: new prompts answered by batched generation (prompts of different
+    lengths, so left padding), replayed at once: the same rollouts as the real decoder's."""
+    from lightning_spec.decoding.source import ReplayingRolloutSource
+
+    target, drafter, prompts = models["target"], models["trained"], models["prompts"]
+    live = ReplayingRolloutSource(target, tree="dynamic:4,3,12", max_new_tokens=16)
+    batched = ReplayingRolloutSource(
+        target, tree="dynamic:4,3,12", max_new_tokens=16, decode_batch_size=2
+    )
+    decoded = live.generate(drafter, prompts)
+    replayed = batched.generate(drafter, prompts)
+    assert batched.last_throughput["rollout_decoded"] == len(prompts)
+    assert batched.last_throughput["rollout_replayed"] == len(prompts)
+    assert [g.tokens for g in replayed] == [g.tokens for g in decoded]
+    assert _steps(replayed) == _steps(decoded)
+    with pytest.raises(ValueError, match="decode_batch_size"):
+        ReplayingRolloutSource(target, decode_batch_size=-1)
+
+
+@pytest.mark.parametrize("where", ["first", "middle"])
+def test_a_continuation_off_the_greedy_text_is_cut_to_its_greedy_prefix(
+    models: dict, where: str
+) -> None:
+    """What a batched near-tie would leave: a token that is not the argmax. The source keeps
+    the text up to it (or the argmax alone when the first token is off) and replays that."""
+    from lightning_spec.decoding.replay import greedy_prefix, text_pass
+    from lightning_spec.decoding.source import ReplayingRolloutSource
+
+    target, drafter = models["target"], models["trained"]
+    source = ReplayingRolloutSource(target, tree="dynamic:4,3,12", max_new_tokens=16)
+    decoded = max(source.generate(drafter, models["prompts"]), key=lambda g: len(g.tokens))
+    prompt = decoded.prompt
+    assert len(decoded.tokens) >= 3
+    wrong_at = 0 if where == "first" else len(decoded.tokens) // 2
+    wrong = list(decoded.tokens)
+    wrong[wrong_at] = (wrong[wrong_at] + 1) % 128
+    ids = torch.tensor([prompt + wrong])
+    text = text_pass(target, ids, len(prompt), features=True)
+    assert greedy_prefix(target, text, wrong) == wrong_at
+    assert greedy_prefix(target, text, decoded.tokens[:wrong_at]) == wrong_at
+
+    key = tuple(prompt)
+    source.continuations[key] = wrong
+    (cut,) = source.generate(drafter, [prompt])
+    expected = decoded.tokens[: max(wrong_at, 1)]
+    assert cut.tokens == expected == source.continuations[key]
+    reference = replay_greedy(target, drafter, parse_tree_spec("dynamic:4,3,12"), prompt, expected)
+    assert _steps([cut]) == _steps([reference])
