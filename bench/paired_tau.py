@@ -6,12 +6,19 @@ resampling prompts (the same prompts for both: a paired bootstrap), and the mean
 difference with its interval. A gain counts only when its interval excludes 0.
 
     python bench/paired_tau.py RESULT.json --pair speculative:gto/drafter,speculative:sft_control/drafter
+
+`--merge OTHER.json` adds the drafters of another bench run on the same prompts, for a drafter
+benched in an earlier session. Only at T = 0, where tau is a deterministic function of drafter,
+target and prompt: the two runs must agree on target, tree, max new tokens and prompts, and every
+method benched in both must have made exactly the same tokens and acceptance lengths on every
+prompt (the check that the merge is sound); anything else is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +70,60 @@ def compare(result: dict[str, Any], a: str, b: str, resamples: int = 2000) -> di
     return out
 
 
+_MUST_AGREE = ("target", "tree", "max_new_tokens", "temperature", "dtype", "stop_on_eos")
+
+
+def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """Add `other`'s methods to `result` in place (module docstring); the methods added."""
+    for key in _MUST_AGREE:
+        if result["config"].get(key) != other["config"].get(key):
+            raise ValueError(
+                f"cannot merge: {key} differs ({result['config'].get(key)!r} vs "
+                f"{other['config'].get(key)!r})"
+            )
+    if float(result["config"].get("temperature", 1.0)) != 0.0:
+        raise ValueError("cannot merge: only T = 0 runs are deterministic enough to pair")
+    mine = {(e["dataset"], e["id"]): e for e in result["per_prompt"]}
+    theirs = {(e["dataset"], e["id"]): e for e in other["per_prompt"]}
+    if mine.keys() != theirs.keys():
+        raise ValueError("cannot merge: the two runs benched different prompts")
+    shared = set(result["config"]["methods"]) & set(other["config"]["methods"])
+    added: list[str] = []
+    for key, entry in mine.items():
+        for method, record in theirs[key]["methods"].items():
+            if method not in shared:
+                entry["methods"][method] = record
+                if method not in added:
+                    added.append(method)
+                continue
+            ours = entry["methods"][method]
+            if (ours["tokens"], ours["accept_lengths"]) != (
+                record["tokens"],
+                record["accept_lengths"],
+            ):
+                raise ValueError(
+                    f"cannot merge: {method} decoded {key} differently in the two runs"
+                )
+    return added
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result", type=Path)
     parser.add_argument("--pair", action="append", required=True, help="METHOD_A,METHOD_B")
+    parser.add_argument(
+        "--merge",
+        type=Path,
+        action="append",
+        default=[],
+        help="another T = 0 bench run on the same prompts (module docstring)",
+    )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     result = json.loads(args.result.read_text())
+    for path in args.merge:
+        added = merge(result, json.loads(path.read_text()))
+        print(f"merged from {path}: {', '.join(added) or 'nothing new'}", file=sys.stderr)
     report = {}
     for pair in args.pair:
         a, b = pair.split(",")

@@ -40,3 +40,62 @@ def test_paired_gain_and_difference(paired) -> None:
     assert 0 < low <= pooled["gain"] <= high  # every prompt gains: the interval excludes 0
     assert report["mtbench"]["prompts"] == 2 and report["humaneval"]["gain"] == pytest.approx(0.2)
     assert report["mtbench"]["mean_difference"] == pytest.approx((0.2 + 0.2) / 2)
+
+
+def _run(methods: dict[str, tuple[list[int], list[int]]], temperature: float = 0.0) -> dict:
+    """A bench result of one prompt: method -> (tokens, accept lengths)."""
+    return {
+        "config": {
+            "target": "t",
+            "tree": "dynamic:2,4,8",
+            "max_new_tokens": 4,
+            "temperature": temperature,
+            "dtype": "float32",
+            "stop_on_eos": True,
+            "methods": list(methods),
+        },
+        "per_prompt": [
+            {
+                "dataset": "mtbench",
+                "id": "mtbench-1",
+                "methods": {
+                    m: {
+                        "tokens": toks,
+                        "accept_lengths": acc,
+                        "committed_by_verification": sum(acc) + len(acc),
+                        "verifications": len(acc),
+                    }
+                    for m, (toks, acc) in methods.items()
+                },
+            }
+        ],
+    }
+
+
+def test_merge_adds_an_earlier_runs_drafter_when_the_shared_one_decodes_identically(
+    paired,
+) -> None:
+    new = _run({"control": ([1, 2, 3, 4], [1, 1]), "gto": ([1, 2, 3, 4], [2, 0])})
+    old = _run({"control": ([1, 2, 3, 4], [1, 1]), "baseline": ([1, 2, 3, 4], [0, 0, 1])})
+    assert paired.merge(new, old) == ["baseline"]
+    report = paired.compare(new, "gto", "baseline", resamples=100)
+    assert report["pooled"]["tau_a"] == pytest.approx(2.0)
+    assert report["pooled"]["tau_b"] == pytest.approx(4 / 3)
+
+
+def test_merge_refuses_unsound_pairs(paired) -> None:
+    new = _run({"control": ([1, 2, 3, 4], [1, 1])})
+    with pytest.raises(ValueError, match="decoded"):
+        paired.merge(new, _run({"control": ([1, 2, 3, 4], [2, 0])}))
+    with pytest.raises(ValueError, match="T = 0"):
+        paired.merge(
+            _run({"a": ([1], [0])}, temperature=1.0), _run({"b": ([1], [0])}, temperature=1.0)
+        )
+    other = _run({"b": ([1], [0])})
+    other["config"]["tree"] = "chain:4"
+    with pytest.raises(ValueError, match="tree differs"):
+        paired.merge(new, other)
+    other = _run({"b": ([1], [0])})
+    other["per_prompt"][0]["id"] = "mtbench-2"
+    with pytest.raises(ValueError, match="different prompts"):
+        paired.merge(new, other)
