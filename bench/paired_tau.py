@@ -9,9 +9,10 @@ difference with its interval. A gain counts only when its interval excludes 0.
 
 `--merge OTHER.json` adds the drafters of another bench run on the same prompts, for a drafter
 benched in an earlier session. Only at T = 0, where tau is a deterministic function of drafter,
-target and prompt: the two runs must agree on target, tree, max new tokens and prompts, and every
-method benched in both must have made exactly the same tokens and acceptance lengths on every
-prompt (the check that the merge is sound); anything else is refused.
+target and prompt: the two runs must agree on target, tree, max new tokens and prompts, at least
+one method must be benched in both, and every such method must have made exactly the same tokens
+and acceptance lengths on every prompt (the check that the merge is sound); anything else is
+refused.
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
     if mine.keys() != theirs.keys():
         raise ValueError("cannot merge: the two runs benched different prompts")
     shared = set(result["config"]["methods"]) & set(other["config"]["methods"])
+    if not shared:
+        raise ValueError(
+            "cannot merge: no method was benched in both runs, so nothing shows they decode alike"
+        )
     added: list[str] = []
     for key, entry in mine.items():
         for method, record in theirs[key]["methods"].items():

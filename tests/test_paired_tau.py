@@ -91,6 +91,8 @@ def test_merge_refuses_unsound_pairs(paired) -> None:
         paired.merge(
             _run({"a": ([1], [0])}, temperature=1.0), _run({"b": ([1], [0])}, temperature=1.0)
         )
+    with pytest.raises(ValueError, match="no method was benched in both"):
+        paired.merge(new, _run({"b": ([1], [0])}))
     other = _run({"b": ([1], [0])})
     other["config"]["tree"] = "chain:4"
     with pytest.raises(ValueError, match="tree differs"):
