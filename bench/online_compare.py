@@ -15,6 +15,9 @@ The config's `strategy:` options are shared by every strategy that accepts them;
 NAME.KEY=VALUE` overrides one strategy's option (the SGD-style optimistic update needs a learning
 rate on another scale than AdamW's) or, for a top-level config key such as `drafter` or `tree`,
 that strategy's run (the optimistic strategy on Hydra heads, as in the paper).
+
+    python bench/online_compare.py --out FIGURE.png --figure eagle3-frozen=A/frozen \\
+        --figure hydra-optimistic=B/optimistic      # one figure across comparisons, no serving
 """
 
 from __future__ import annotations
@@ -87,29 +90,50 @@ def _net(rounds: list[dict[str, Any]]) -> float | None:
 
 
 def plot(out: Path, strategies: list[str]) -> Path:
+    """Tau over rounds of every strategy of one comparison, as ``OUT/tau_over_rounds.png``."""
+    return plot_rounds([(name, out / name) for name in strategies], out / "tau_over_rounds.png")
+
+
+def plot_rounds(runs: list[tuple[str, Path]], path: Path) -> Path:
+    """Tau over rounds of labelled stream runs (folders with a ``rounds.jsonl``) in one figure:
+    also runs of different comparisons, such as two drafters served the same stream."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6, 3.2), dpi=100)
-    for name in strategies:
-        rows = _rows(out / name / "rounds.jsonl")
-        axis.plot([r["round"] + 1 for r in rows], [r["tau"] for r in rows], label=name, marker=".")
+    for label, folder in runs:
+        rows = _rows(folder / "rounds.jsonl")
+        axis.plot([r["round"] + 1 for r in rows], [r["tau"] for r in rows], label=label, marker=".")
     axis.set_xlabel("round")
     axis.set_ylabel("tau (tokens per verification)")
-    axis.legend(fontsize=7, ncol=3)
+    axis.legend(fontsize=7, ncol=2)
     axis.grid(alpha=0.3)
     figure.tight_layout()
-    path = out / "tau_over_rounds.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
     plt.close(figure)
     return path
 
 
+def parse_figure_runs(items: list[str]) -> list[tuple[str, Path]]:
+    """``LABEL=FOLDER`` items -> [(label, folder)]; a folder without ``rounds.jsonl`` is an
+    error that names it."""
+    runs = []
+    for item in items:
+        label, sep, folder = item.partition("=")
+        if not (sep and label and folder):
+            raise ValueError(f"--figure {item!r}: expected LABEL=FOLDER")
+        if not (Path(folder) / "rounds.jsonl").is_file():
+            raise ValueError(f"--figure {item!r}: {folder} has no rounds.jsonl")
+        runs.append((label, Path(folder)))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--strategies", default="frozen,ogd,optimistic,ensemble,osd,dpo")
     parser.add_argument("--seed", type=int, default=None)
@@ -120,7 +144,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME.KEY=VALUE",
         help="one strategy's option or config key (repeatable; module doc)",
     )
+    parser.add_argument(
+        "--figure",
+        action="append",
+        default=[],
+        metavar="LABEL=FOLDER",
+        help="serve nothing: draw these runs' tau over rounds into the PNG --out (repeatable)",
+    )
     args = parser.parse_args(argv)
+    if args.figure:
+        try:
+            runs = parse_figure_runs(args.figure)
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"figure: {plot_rounds(runs, args.out)}")
+        return 0
+    if args.config is None:
+        parser.error("--config is required (unless --figure only draws a figure)")
     strategies = [s for s in args.strategies.split(",") if s]
     try:
         overrides = parse_overrides(args.set, strategies)

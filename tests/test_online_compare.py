@@ -64,3 +64,20 @@ def test_set_overrides_split_config_keys_from_strategy_options(compare) -> None:
         compare.parse_overrides(["dpo.beta=0.2"], ["ogd"])
     with pytest.raises(ValueError, match="fixed"):
         compare.parse_overrides(["ogd.out_dir=x"], ["ogd"])
+
+
+def test_figure_mode_draws_runs_of_several_comparisons_without_serving(
+    compare, tmp_path: Path
+) -> None:
+    _write(tmp_path / "a" / "frozen", [2.0, 2.0, 2.0, 2.0], 20.0)
+    _write(tmp_path / "b" / "optimistic", [2.0, 2.2, 2.4, 2.6], 15.0)
+    png = tmp_path / "figures" / "tau.png"
+    code = compare.main(["--out", str(png), "--figure", f"eagle3 frozen={tmp_path / 'a' / 'frozen'}",
+                         "--figure", f"hydra optimistic={tmp_path / 'b' / 'optimistic'}"])  # fmt: skip
+    assert code == 0 and png.stat().st_size > 1000
+    with pytest.raises(ValueError, match="no rounds.jsonl"):
+        compare.parse_figure_runs([f"x={tmp_path}"])
+    with pytest.raises(ValueError, match="LABEL=FOLDER"):
+        compare.parse_figure_runs([str(tmp_path)])
+    with pytest.raises(SystemExit):  # neither a config to serve nor runs to draw
+        compare.main(["--out", str(tmp_path / "c")])
