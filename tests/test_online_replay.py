@@ -43,17 +43,17 @@ def test_replay_scores_each_round_with_the_model_the_live_loop_served(
     logged = [json.loads(line) for line in (tmp_path / "requests.jsonl").open()]
     assert [len(g.tokens) for rnd in feedback for g in rnd] == [r["tokens"] for r in logged]
     live = [json.loads(line)["online_loss"] for line in (tmp_path / "rounds.jsonl").open()]
-    rows = replay.replay(drafter, feedback, "ogd", options, ttt_steps=2)
+    rows = replay.replay(drafter, feedback, "ogd", options, ttt_steps=2, top_k=3)
     # the replayed ogd scores every round with the very model the live loop served it with
     assert [r["loss"] for r in rows] == pytest.approx(live, rel=1e-4)
-    assert all(0.0 <= r["top1_0"] <= 1.0 and r["labels"] > 0 for r in rows)
-    frozen = replay.replay(drafter, feedback, "frozen", {}, ttt_steps=2)
+    assert all(0.0 <= r["top1_0"] <= r["top3_0"] <= 1.0 and r["labels"] > 0 for r in rows)
+    frozen = replay.replay(drafter, feedback, "frozen", {}, ttt_steps=2, top_k=3)
     assert frozen[0]["loss"] == pytest.approx(rows[0]["loss"], rel=1e-5)  # same start
     assert rows[1]["loss"] < frozen[1]["loss"]  # it learned from round 0
     domains = replay.round_domains(tmp_path, len(feedback))
     assert domains == ["a", "b"]
     table = replay.summarize({"frozen": frozen, "ogd": rows}, domains, "frozen")
-    assert set(table["ogd"]) >= {"loss", "loss@a", "loss@b", "top1_0", "loss_gain_ci"}
+    assert set(table["ogd"]) >= {"loss", "loss@a", "loss@b", "top1_0", "top3_0", "top3_0_gain_ci"}
     assert table["ogd"]["loss@a"] == pytest.approx(table["frozen"]["loss@a"], rel=1e-5)
     assert replay.parse_variant("fast=ogd,lr=1e-3,steps_per_round=4") == (
         "fast", "ogd", {"lr": 1e-3, "steps_per_round": 4}

@@ -62,6 +62,7 @@ __all__ = [
     "online_loss",
     "online_metrics",
     "rejection_slots",
+    "topk_hits",
 ]
 
 
@@ -130,18 +131,36 @@ def online_loss(
     return _ttt_cross_entropy(log_qs, labels, masks, decay), int(masks[0].sum())
 
 
+def topk_hits(log_q: Tensor, labels: Tensor, k: int) -> Tensor:
+    """1.0 where the label is among the ``k`` most likely tokens of ``log_q`` [..., V] (k = 1:
+    the argmax). A tree whose root has k children accepts the first token on such a hit, so
+    top-k agreement, not the argmax alone, is what tau moves with."""
+    top = log_q.topk(min(int(k), log_q.shape[-1]), dim=-1).indices
+    return (top == labels.unsqueeze(-1)).any(-1).float()
+
+
 @torch.no_grad()
 def online_metrics(
-    drafter: Drafter, batch: dict[str, Tensor], *, ttt_steps: int = 2, decay: float = 0.8
+    drafter: Drafter,
+    batch: dict[str, Tensor],
+    *,
+    ttt_steps: int = 2,
+    decay: float = 0.8,
+    top_k: int = 1,
 ) -> dict[str, float]:
     """The model's fit to a round, without an update: ``loss`` (as `online_loss`) and
     ``top1_k`` (share of labelled positions whose TTT step k argmax is the committed token;
-    top1_0 is the first draft token's acceptance rate on a chain at T = 0)."""
+    top1_0 is the first draft token's acceptance rate on a chain at T = 0); with ``top_k`` > 1
+    also ``top{top_k}_k`` (the committed token among step k's top_k: the first level of a tree
+    with top_k children at the root)."""
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
     log_qs, labels, masks = _step_terms(drafter, batch, ttt_steps)
     metrics = {"loss": float(_ttt_cross_entropy(log_qs, labels, masks, decay))}
     for step, log_q in enumerate(log_qs):
-        hits = (log_q.argmax(-1) == labels).float()
-        metrics[f"top1_{step}"] = float(losses.masked_mean(values=hits, mask=masks[step]))
+        for k in dict.fromkeys((1, top_k)):
+            hits = topk_hits(log_q, labels, k)
+            metrics[f"top{k}_{step}"] = float(losses.masked_mean(values=hits, mask=masks[step]))
     return metrics
 
 

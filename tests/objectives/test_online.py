@@ -16,7 +16,12 @@ from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.online import feedback_batch, make_strategy, online_loss
+from lightning_spec.objectives.online import (
+    feedback_batch,
+    make_strategy,
+    online_loss,
+    topk_hits,
+)
 from lightning_spec.serving.online import run_stream
 from lightning_spec.serving.stream import Request
 
@@ -271,3 +276,12 @@ def test_ogd_replay_buffer_trains_on_recent_rounds_and_resumes_with_them(
     assert again["online_loss"] == pytest.approx(result["online_loss"], rel=1e-5)
     with pytest.raises(ValueError, match="buffer_rounds"):
         make_strategy("ogd", drafter, buffer_rounds=0)
+
+
+def test_topk_hits_counts_the_label_among_the_k_most_likely_tokens() -> None:
+    log_q = torch.log_softmax(torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]]), dim=-1)
+    labels = torch.tensor([1, 0])  # row 0: second most likely; row 1: least likely
+    assert topk_hits(log_q, labels, 1).tolist() == [0.0, 0.0]
+    assert topk_hits(log_q, labels, 2).tolist() == [1.0, 0.0]
+    assert topk_hits(log_q, labels, 4).tolist() == [1.0, 1.0]
+    assert topk_hits(log_q, labels, 9).tolist() == [1.0, 1.0]  # k beyond the vocabulary: all
