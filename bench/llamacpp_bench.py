@@ -1,0 +1,184 @@
+"""llama.cpp plain vs llama.cpp + our EAGLE-3 drafter vs llama.cpp's own speculation, one run.
+
+    python bench/llamacpp_bench.py --drafter DIR --target-types f32,q8_0,q4_1 \
+        --dataset mtbench,humaneval --limit 40 --max-new-tokens 64 --n-max 2,3,4 \
+        --ours --output bench/results/llamacpp.json
+
+Builds llama.cpp once into the cache (`lightning_spec.export.llamacpp`), exports the drafter to
+GGUF and the target at each weight type (`export --format gguf`), measures llama.cpp's own
+cost curve (``llama-bench``: one forward of b tokens), then serves every prompt through every
+mode (`lightning_spec.bench.llamacpp`) and reports per target type: tok/s, speedup over plain
+llama.cpp with a paired bootstrap interval over prompts, llama.cpp's acceptance and tau,
+greedy mismatches against plain and against self-drafting, and the ceiling the cost curve
+allows at the measured tau (tau x t(1) / t(K + 1): verification cost only, the drafter free).
+With ``--ours``, our own decoder runs the same drafter on the same prompt ids under
+``chain:K`` (PyTorch, f32), so acceptance can be compared across engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_spec.bench.llamacpp import NGRAM_TYPES, mode_args, run_modes, summarize
+from lightning_spec.data.assets import cache_root
+from lightning_spec.export.gguf_package import export_gguf_package
+from lightning_spec.export.llamacpp import ensure_llamacpp
+from lightning_spec.io import atomic_write_json, sha256_file
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def cost_curve(bench_binary: Path, target_gguf: Path, sizes: list[int], threads: int) -> dict[int, float]:
+    """Seconds per target forward of b tokens (llama-bench prompt processing, 3 repeats)."""
+    result = subprocess.run(
+        [str(bench_binary), "-m", str(target_gguf), "-p", ",".join(map(str, sizes)), "-n", "0",
+         "-t", str(threads), "-r", "3", "-o", "json"],
+        check=True, capture_output=True, text=True,
+    )
+    curve = {}
+    for entry in json.loads(result.stdout):
+        size = int(entry["n_prompt"])
+        curve[size] = size / float(entry["avg_ts"])
+    return curve
+
+
+def ours_tau(drafter_dir: Path, target: str, prompts: list[list[int]], n_max: int, max_new_tokens: int) -> dict[str, Any]:
+    """Our decoder, same drafter and prompt ids, chain:K at T = 0: pooled tau and alpha."""
+    from lightning_spec.decoding.build import parse_tree_spec
+    from lightning_spec.decoding.engine import SpeculativeDecoder
+    from lightning_spec.metrics import tau_from_records
+    from lightning_spec.models.drafters.base import load_drafter
+    from lightning_spec.models.target import load_target
+
+    tgt = load_target(target)
+    drafter = load_drafter(drafter_dir, target=tgt)
+    decoder = SpeculativeDecoder(tgt, drafter, parse_tree_spec(f"chain:{n_max}"))
+    records, tokens = [], []
+    for prompt in prompts:
+        generation = decoder.generate(prompt, max_new_tokens)
+        records.extend(generation.records)
+        tokens.append(generation.tokens)
+    drafted = sum(n_max for _ in records)
+    accepted = sum(len(r.accepted) for r in records)
+    return {
+        "tau": tau_from_records(records),
+        "acceptance": accepted / drafted if drafted else None,
+        "verifications": len(records),
+        "tokens": tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafter", type=Path, required=True)
+    parser.add_argument("--target", default=None, help="default: the drafter's target")
+    parser.add_argument("--target-types", default="f32", help="comma list of f32,f16,q8_0,q4_1")
+    parser.add_argument("--dataset", default="mtbench,humaneval")
+    parser.add_argument("--limit", type=int, default=40, help="prompts per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--n-max", default="4", help="chain lengths (comma list)")
+    parser.add_argument("--p-min", type=float, default=0.0)
+    parser.add_argument(
+        "--modes", default="plain,eagle3,self," + ",".join(NGRAM_TYPES[:3]),
+        help="plain, eagle3, self and ngram spec types",
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ours", action="store_true", help="our decoder's tau at chain:K too")
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--output", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    from lightning_spec.models.target import load_target
+    from lightning_spec.specs import load_prompts
+
+    config = json.loads((args.drafter / "config.json").read_text())
+    target = args.target or config.get("target_model") or "smollm2"
+    drafter_sha = sha256_file(args.drafter / "model.safetensors")
+    workdir = args.workdir or cache_root() / "llamacpp" / "exports" / drafter_sha[:16]
+    built = ensure_llamacpp()
+    tokenizer = load_target(target).tokenizer
+    prompts, origin = [], []
+    for spec in _csv(args.dataset):
+        name, items = load_prompts(spec, tokenizer, limit=args.limit)
+        prompts += [list(ids) for ids, _ in items]
+        origin += [name] * len(items)
+    n_maxes = [int(k) for k in _csv(args.n_max)]
+    report: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "drafter": str(args.drafter), "drafter_sha256": drafter_sha,
+        "llamacpp": built.version, "threads": args.threads, "prompts": len(prompts),
+        "datasets": _csv(args.dataset), "max_new_tokens": args.max_new_tokens,
+        "p_min": args.p_min, "per_type": {},
+    }
+    if args.ours:
+        report["ours"] = {}
+        for k in n_maxes:
+            tic = time.perf_counter()
+            ours = ours_tau(args.drafter, target, prompts, k, args.max_new_tokens)
+            ours["seconds"] = time.perf_counter() - tic
+            report["ours"][f"chain:{k}"] = {key: v for key, v in ours.items() if key != "tokens"}
+            print(f"[ours] chain:{k} tau {ours['tau']:.3f}", flush=True)
+    for ttype in _csv(args.target_types):
+        package = export_gguf_package(
+            args.drafter, workdir, target=target, with_target=ttype, outtype="f32"
+        )
+        target_gguf = workdir / package["files"]["target"]["path"]
+        drafter_gguf = workdir / package["files"]["drafter"]["path"]
+        curve = cost_curve(built.binary("llama-bench"), target_gguf, list(range(1, max(n_maxes) + 2)), args.threads)
+        modes = []
+        for name in _csv(args.modes):
+            if name in ("eagle3", "self"):
+                modes += [mode_args(name, drafter_gguf=drafter_gguf, target_gguf=target_gguf, n_max=k, p_min=args.p_min) for k in n_maxes]
+            else:
+                modes.append(mode_args(name))
+        log_dir = args.output.parent / f"{args.output.stem}-logs-{ttype}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        results = run_modes(
+            built.binary("llama-server"), target_gguf, modes, prompts,
+            max_new_tokens=args.max_new_tokens, threads=args.threads, log_dir=log_dir,
+        )
+        reference = next((m.name for m in modes if m.name.startswith("self@")), None)
+        rows = summarize(results, reference=reference)
+        by_dataset = {}
+        for dataset in dict.fromkeys(origin):
+            keep = [i for i, o in enumerate(origin) if o == dataset]
+            by_dataset[dataset] = summarize(
+                {m: [r[i] for i in keep] for m, r in results.items()}, reference=reference
+            )
+        for name, row in rows.items():
+            k = int(name.split("@")[1]) if "@" in name else None
+            if k is not None and row.get("tau"):
+                row["ceiling"] = row["tau"] * curve[1] / curve[k + 1]
+        report["per_type"][ttype] = {
+            "target_gguf_sha256": package["files"]["target"]["sha256"],
+            "drafter_gguf_sha256": package["files"]["drafter"]["sha256"],
+            "cost_seconds": {str(b): s for b, s in curve.items()},
+            "rows": rows,
+            "by_dataset": by_dataset,
+            "tokens": {m: [r.tokens for r in rs] for m, rs in results.items()},
+        }
+        for name, row in rows.items():
+            print(
+                f"[{ttype}] {name:>16}: {row['tok_per_s'] or 0:7.1f} tok/s  x{row.get('speedup') or 1:.3f} "
+                f"{row.get('speedup_ci') or ''}  tau {row['tau'] or 0:.3f}  "
+                f"acc {row['acceptance'] if row['acceptance'] is not None else '-'}  "
+                f"mm/plain {row.get('mismatches_vs_plain', '-')}  mm/self {row.get('mismatches_vs_self', '-')}",
+                flush=True,
+            )
+        atomic_write_json(args.output, report)
+    digest = hashlib.sha256(args.output.read_bytes()).hexdigest()[:12]
+    print(f"wrote {args.output} ({digest})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The llama.cpp bench's bookkeeping on hand-made results (the real engine: test_llamacpp_live)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_spec.bench.llamacpp import PromptResult, mode_args, summarize, verifications
+
+
+def test_mode_arguments() -> None:
+    assert mode_args("plain").args == ()
+    eagle = mode_args("eagle3", drafter_gguf=Path("d.gguf"), n_max=3, p_min=0.0)
+    assert eagle.name == "eagle3@3"
+    assert eagle.args == (
+        "-md", "d.gguf", "--spec-type", "draft-eagle3",
+        "--spec-draft-n-max", "3", "--spec-draft-p-min", "0",
+    )
+    selfie = mode_args("self", target_gguf=Path("t.gguf"), n_max=4, p_min=0.5)
+    assert selfie.args[:4] == ("-md", "t.gguf", "--spec-type", "draft-simple")
+    assert selfie.args[-1] == "0.5"
+    assert mode_args("ngram-mod").args == ("--spec-type", "ngram-mod")
+    with pytest.raises(ValueError, match="drafter's GGUF"):
+        mode_args("eagle3")
+    with pytest.raises(ValueError, match="unknown mode"):
+        mode_args("medusa")
+
+
+def test_verifications_count_every_step_once() -> None:
+    # 9 tokens: the first from the prompt pass, then steps committing (2 drafts + 1) x 2 and
+    # (0 + 1) x 2: 4 verifications, 4 accepted drafts.
+    assert verifications(PromptResult(tokens=list(range(9)), seconds=1.0, drafted=8, accepted=4)) == 4
+    assert verifications(PromptResult(tokens=[5], seconds=0.1)) == 0
+
+
+def test_summary_speedup_tau_and_mismatches() -> None:
+    plain = [PromptResult([1, 2, 3, 4, 5], 1.0), PromptResult([7, 8, 9], 0.6)]
+    fast = [PromptResult([1, 2, 3, 4, 5], 0.5, 6, 2), PromptResult([7, 8, 0], 0.3, 3, 1)]
+    same = [PromptResult([1, 2, 3, 4, 5], 0.4, 4, 4), PromptResult([7, 8, 9], 0.2, 2, 2)]
+    rows = summarize({"plain": plain, "eagle3@3": fast, "self@3": same}, reference="self@3", resamples=200)
+    assert rows["plain"]["tok_per_s"] == pytest.approx(8 / 1.6)
+    assert rows["eagle3@3"]["speedup"] == pytest.approx((8 / 0.8) / (8 / 1.6))
+    assert rows["eagle3@3"]["acceptance"] == pytest.approx(3 / 9)
+    # committed after the first token: 4 + 2; verifications: (4 - 2) + (2 - 1) = 3
+    assert rows["eagle3@3"]["tau"] == pytest.approx(6 / 3)
+    assert rows["eagle3@3"]["mismatches_vs_plain"] == 1
+    assert rows["eagle3@3"]["mismatch_prompts_vs_plain"] == [1]
+    assert rows["eagle3@3"]["mismatches_vs_self"] == 1
+    assert rows["self@3"]["mismatches_vs_plain"] == 0
+    assert "speedup" not in rows["plain"]
