@@ -54,34 +54,95 @@ from lightning_spec.objectives.sft import EagleSFT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GTOResult", "GroupTreeOptimization", "choose_groups", "misalignment"]
+__all__ = ["GTOResult", "GroupTreeOptimization", "choose_groups", "misalignment", "text_scores"]
 
 AGGREGATIONS = ("lse", "max", "mean")
-REWARD_FACTORS = ("probs", "greedy")
+VALIDATION_SEED = 1_000_003
+REWARD_FACTORS = ("auto", "probs", "greedy")
 
 
 def choose_groups(
     loss_mask: Tensor, *, groups: int, group_size: int, offset: int, generator: torch.Generator
 ) -> Tensor | None:
-    """[K', m] root positions: up to `groups` runs of `group_size` adjacent valid roots.
+    """[K', m] root positions: up to `groups` non-overlapping groups of `group_size` adjacent
+    valid roots (the paper partitions the sequence into K groups of m, K up to s / m).
 
     A root R is valid when the drafter has an entry for it (R >= offset), a next position
-    exists and that next token is a loss (assistant) token. Runs are drawn without replacement
-    among all valid starts (they may overlap); None when the sequence has no run of m.
+    exists and that next token is a loss (assistant) token. Each run of consecutive valid roots
+    is cut into whole groups of m from its start; `groups` of those (all, when fewer) are drawn
+    without replacement and returned in sequence order. None when no run holds m roots.
     """
     length = int(loss_mask.shape[0])
     valid = torch.zeros(length, dtype=torch.bool, device=loss_mask.device)
     valid[: length - 1] = loss_mask[1:].bool()
     valid[:offset] = False
-    if length < group_size:
+    flags = valid.cpu().tolist()
+    starts: list[int] = []
+    position = 0
+    while position < length:
+        if not flags[position]:
+            position += 1
+            continue
+        end = position
+        while end < length and flags[end]:
+            end += 1
+        starts.extend(range(position, end - group_size + 1, group_size))
+        position = end
+    if not starts:
         return None
-    windows = valid.unfold(0, group_size, 1).all(dim=1)  # [L - m + 1]
-    starts = windows.nonzero().flatten().cpu()
-    if starts.numel() == 0:
-        return None
-    order = torch.randperm(starts.numel(), generator=generator)[:groups]
-    chosen = starts[order].sort().values
+    order = torch.randperm(len(starts), generator=generator)[:groups]
+    chosen = torch.tensor(starts)[order].sort().values
     return chosen.unsqueeze(1) + torch.arange(group_size).unsqueeze(0)
+
+
+def _cached_rows(
+    batch: Mapping[str, Any], row: int, length: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """(features [1, L, F] or None, target argmax [L] or None) of one batch row, when the data
+    module supplied the cached teacher-forced pass."""
+    argmax = batch.get("target_argmax")
+    features = batch.get("features")
+    return (
+        None if features is None else features[row : row + 1, :length],
+        None if argmax is None else argmax[row, :length],
+    )
+
+
+def text_scores(
+    trees: list[DraftTree], ids: Tensor, target_argmax: Tensor, roots: Tensor
+) -> list[TreeScores] | None:
+    """The greedy scores of trees drafted at `roots` of the text `ids`, read off the cached
+    teacher-forced pass instead of a target forward; None when that would not be exact.
+
+    `target_argmax[t]` is the target's argmax after ids[:t + 1]. A node whose path from the
+    root follows the text (its tokens are ids[R + 1 .. R + d]) has the argmax row
+    target_argmax[R + d]; any other node gets a row no token equals. That is exact for greedy
+    verification and 0/1 factors when, over the tree's depth, the text is the target's own
+    greedy text (ids[R + j + 1] == target_argmax[R + j]): then every node off the text has an
+    ancestor (or is itself) a node that is not the argmax, so its product of factors is 0
+    whatever its own row says. The argmax rows go through the decoder's own verification
+    (`verify_greedy_argmax`) exactly as scored rows would.
+    """
+    length = int(ids.shape[0])
+    out: list[TreeScores] = []
+    for tree, root in zip(trees, roots.tolist(), strict=True):
+        depth = int(tree.max_depth)
+        if root + depth >= length:
+            return None  # the text ends inside the tree's reach: not known without a forward
+        window = slice(root, root + depth)
+        if not torch.equal(target_argmax[window].to(ids.device), ids[root + 1 : root + depth + 1]):
+            return None  # not the greedy text here (a near-tie, a cut): score this sequence
+        rows = torch.full((tree.num_nodes + 1,), -1, dtype=torch.long, device=ids.device)
+        rows[0] = target_argmax[root]
+        if tree.num_nodes:
+            node_depth = tree.depth.to(ids.device)
+            on_text = tree.tokens.to(ids.device) == ids[root + node_depth]
+            # on the text only if every ancestor is too: the ancestor mask holds the node itself
+            on_path = ~(tree.ancestor_mask().to(ids.device) & ~on_text.unsqueeze(0)).any(dim=-1)
+            positions = root + node_depth
+            rows[1:] = torch.where(on_path, target_argmax[positions].to(ids.device), rows[1:])
+        out.append(TreeScores(argmax=rows))
+    return out
 
 
 def misalignment(
@@ -151,11 +212,13 @@ class GroupTreeOptimization(EagleSFT):
         groups: int = 16,
         eta: float = 1.0,
         aggregation: str = "lse",
-        reward_factors: str = "probs",
+        reward_factors: str = "auto",
         clip_eps: float = 0.2,
         delta: float = 1e-6,
         omega: float = 0.5,
         debias: bool = True,
+        token_weight: float = 1.0,
+        cached_rewards: bool = True,
         score_max_tokens: int = 512,
         prepack_target: bool = False,
         ttt_steps: int = 7,
@@ -184,13 +247,21 @@ class GroupTreeOptimization(EagleSFT):
             groups: K, groups per training sequence (paper: 16; CPU configs use fewer).
             eta: LSE temperature of the tree reward (paper: 1).
             aggregation: Tree reward over branch values: lse (paper) | max | mean (ablations).
-            reward_factors: Per-node factors of the branch values: "probs" = the target's
-                probability of the node token (ALGORITHMS.md, the expected acceptance) or
-                "greedy" = 1 if it is the target's argmax (T = 0 acceptance, 0/1 factors).
+            reward_factors: Per-node factors of the branch values: "auto" (default) = "greedy"
+                at T = 0 and "probs" at T > 0, the factors whose reward is the acceptance the
+                decoder verifies with (the paper's Theorem 1b is about the 0/1 factors);
+                "probs" = the target's probability of the node token (the T = 1 expected
+                acceptance) or "greedy" = 1 if it is the target's argmax (0/1 factors).
             clip_eps: PPO clip range eps of the ratio (ours: 0.2; the paper does not state it).
             delta: Added to the group standard deviation (ours: 1e-6).
             omega: Weight of L_GTO in L_token + omega * L_GTO (paper: 0.5).
             debias: Subtract the reference drafter's tree reward (False: the ablation).
+            token_weight: Weight of L_token (1: the paper; 0: GTO alone, the mechanism test).
+            cached_rewards: At T = 0 with greedy factors, take every factor from the batch's
+                cached target argmax (the teacher-forced pass of the feature store) wherever
+                that is exact (the text is the target's greedy text over the tree's depth), and
+                the features from the batch: no target forward in the step. Sequences where it
+                is not exact are scored through the target as before.
             score_max_tokens: Block rows per target scoring forward (bounds memory).
             prepack_target: CPU fp32: prepack the frozen target's linear weights for oneDNN
                 (`models.packed`; faster scoring, same maths to ~1e-6).
@@ -209,6 +280,8 @@ class GroupTreeOptimization(EagleSFT):
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         if reward_factors not in REWARD_FACTORS:
             raise ValueError(f"reward_factors must be one of {REWARD_FACTORS}")
+        if token_weight < 0:
+            raise ValueError("token_weight must be >= 0")
         if group_size < 1:
             raise ValueError("group_size must be >= 1 (1: the no-grouping ablation)")
         if groups < 1 or eta <= 0 or clip_eps <= 0 or temperature < 0:
@@ -231,8 +304,15 @@ class GroupTreeOptimization(EagleSFT):
         require_drafter_policy(self.policy, "GTO")
         self.greedy_policy = ChainPolicy(int(self.policy.max_depth))
         self.reference = copy.deepcopy(self.drafter).requires_grad_(False).eval()
+        self.factors = (
+            ("greedy" if temperature == 0 else "probs")
+            if reward_factors == "auto"
+            else reward_factors
+        )
         self._generator = torch.Generator().manual_seed(int(seed))
         self._prefixes_seen = 0
+        self._cached_sequences = 0
+        self._scored_sequences = 0
         if prepack_target:
             self.prepack_target()
 
@@ -248,8 +328,15 @@ class GroupTreeOptimization(EagleSFT):
         return self
 
     # ---------------------------------------------------------------------------- GTO term
-    def gto_term(self, batch: Mapping[str, Any], *, statistics: bool = False) -> GTOResult:
-        """L_GTO of a batch, sequence by sequence (see the module docstring)."""
+    def gto_term(
+        self,
+        batch: Mapping[str, Any],
+        *,
+        statistics: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> GTOResult:
+        """L_GTO of a batch, sequence by sequence (see the module docstring); `generator`
+        draws the groups (default: the training generator)."""
         hp = self.hparams
         tic = time.perf_counter()
         input_ids = batch["input_ids"]
@@ -263,35 +350,66 @@ class GroupTreeOptimization(EagleSFT):
                 groups=int(hp.groups),
                 group_size=int(hp.group_size),
                 offset=absorbed_offset(self.drafter),
-                generator=self._generator,
+                generator=generator or self._generator,
             )
             if roots is None:
                 continue
-            parts.append(self._sequence_term(input_ids[row : row + 1, :length], roots, statistics))
+            cached = _cached_rows(batch, row, length)
+            parts.append(
+                self._sequence_term(input_ids[row : row + 1, :length], roots, statistics, cached)
+            )
         zero = sum(p.sum() for p in self.drafter.parameters() if p.requires_grad) * 0.0
         if not parts:
             return GTOResult(loss=zero, seconds=time.perf_counter() - tic)
         return _combine(parts, zero, time.perf_counter() - tic)
 
-    def _sequence_term(self, ids: Tensor, roots: Tensor, statistics: bool) -> GTOResult:
+    def _sequence_term(
+        self,
+        ids: Tensor,
+        roots: Tensor,
+        statistics: bool,
+        cached: tuple[Tensor | None, Tensor | None] = (None, None),
+    ) -> GTOResult:
         hp = self.hparams
         temperature = float(hp.temperature)
         groups, size = roots.shape
         flat = roots.reshape(-1).to(ids.device)
         limit = int(flat.max()) + 1  # the sequence up to the last root
         sequence = ids[:, :limit]
+        cached_features, cached_argmax = cached
         with torch.no_grad():
-            output = self.target(sequence, output_features=self.drafter.needs_features)
-            features = output.features
+            use_cache = (
+                bool(hp.cached_rewards)
+                and self.factors == "greedy"
+                and temperature == 0
+                and cached_argmax is not None
+                and (cached_features is not None or not self.drafter.needs_features)
+            )
+            output = None
+            if use_cache:
+                features = None if cached_features is None else cached_features[:, :limit]
+            else:
+                output = self.target(sequence, output_features=self.drafter.needs_features)
+                features = output.features
             trees = self._trees(self.drafter, sequence, flat, features)
             reference_trees = self._trees(self.reference, sequence, flat, features)
-            root_tokens = sequence[0, flat]
             score_tic = time.perf_counter()
-            wanted = ["logprobs", "argmax"] + (["rows"] if temperature > 0 else [])
-            scores = self._score(output.cache, trees, root_tokens, flat, wanted)
-            reference_scores = self._score(
-                output.cache, reference_trees, root_tokens, flat, ["logprobs", "argmax"]
-            )
+            scores = reference_scores = None
+            if use_cache:
+                scores = text_scores(trees, ids[0], cached_argmax, flat)
+                reference_scores = text_scores(reference_trees, ids[0], cached_argmax, flat)
+            if scores is None or reference_scores is None:  # not exact here: score
+                if output is None:
+                    output = self.target(sequence, output_features=False)
+                root_tokens = sequence[0, flat]
+                wanted = ["logprobs", "argmax"] + (["rows"] if temperature > 0 else [])
+                scores = self._score(output.cache, trees, root_tokens, flat, wanted)
+                reference_scores = self._score(
+                    output.cache, reference_trees, root_tokens, flat, ["logprobs", "argmax"]
+                )
+                self._scored_sequences += 1
+            else:
+                self._cached_sequences += 1
             score_seconds = time.perf_counter() - score_tic
             rewards = self._rewards(trees, scores)
             reference_rewards = self._rewards(reference_trees, reference_scores)
@@ -390,8 +508,9 @@ class GroupTreeOptimization(EagleSFT):
         hp = self.hparams
         values = []
         for tree, score in zip(trees, scores, strict=True):
-            assert score.token_logprobs is not None and score.argmax is not None
-            if hp.reward_factors == "greedy":
+            assert score.argmax is not None
+            assert self.factors == "greedy" or score.token_logprobs is not None
+            if self.factors == "greedy":
                 factors = tree.tokens.to(score.argmax.device) == score.argmax[tree.parents + 1]
                 factors = factors.float()
             else:
@@ -421,7 +540,7 @@ class GroupTreeOptimization(EagleSFT):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         token = self._common_step(batch)
         gto = self.gto_term(batch)
-        loss = token.loss + float(self.hparams.omega) * gto.loss
+        loss = float(self.hparams.token_weight) * token.loss + float(self.hparams.omega) * gto.loss
         skipped = self.skip_nonfinite(loss)
         if skipped is not None:
             return skipped
@@ -435,7 +554,10 @@ class GroupTreeOptimization(EagleSFT):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         token = self._common_step(batch)
-        gto = self.gto_term(batch, statistics=True)
+        # the same prefixes at every validation and for every drafter: groups drawn from a
+        # generator seeded by the batch index alone (validation batches are not shuffled)
+        fixed = torch.Generator().manual_seed(VALIDATION_SEED + batch_idx)
+        gto = self.gto_term(batch, statistics=True, generator=fixed)
         size = max(1, token.tokens)
         self.log("val/loss", token.loss, batch_size=size, sync_dist=True, prog_bar=True)
         self._log_steps("val", token, sync_dist=True)
@@ -466,6 +588,9 @@ class GroupTreeOptimization(EagleSFT):
             self.log(f"{stage}/{key}", value, batch_size=size, **kwargs)
         if stage == "train":
             self.log("train/prefixes", float(self._prefixes_seen))
+            done = self._cached_sequences + self._scored_sequences
+            if done:
+                self.log("train/cached_fraction", self._cached_sequences / done)
 
     # ---------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

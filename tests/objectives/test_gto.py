@@ -65,21 +65,26 @@ def _module(target: TargetModel, **overrides: object) -> GroupTreeOptimization:
     return GroupTreeOptimization.from_objects(target, drafter, **options)
 
 
-def test_choose_groups_takes_adjacent_valid_roots() -> None:
+def test_choose_groups_partitions_valid_roots_into_non_overlapping_groups() -> None:
     mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 1])
     generator = torch.Generator().manual_seed(0)
+    # valid roots R: next token is a loss token -> R in {2..6, 8, 9}: runs 2..6 and 8..9
     roots = choose_groups(mask, groups=5, group_size=3, offset=1, generator=generator)
-    # valid roots R: next token is a loss token -> R in {2..6, 8, 9}; runs of 3 start at 2..4
-    assert roots.tolist() == [[2, 3, 4], [3, 4, 5], [4, 5, 6]]
+    assert roots.tolist() == [[2, 3, 4]]  # 5..6 and 8..9 are too short for a whole group
+    pairs = choose_groups(mask, groups=5, group_size=2, offset=1, generator=generator)
+    assert pairs.tolist() == [[2, 3], [4, 5], [8, 9]]  # K up to s / m, none overlapping
     assert choose_groups(mask, groups=2, group_size=6, offset=1, generator=generator) is None
-    one = choose_groups(mask, groups=1, group_size=3, offset=1, generator=generator)
-    assert one.shape == (1, 3)
+    two = choose_groups(mask, groups=2, group_size=2, offset=1, generator=generator)
+    assert two.shape == (2, 2) and len(set(two.flatten().tolist())) == 4
+    assert choose_groups(mask, groups=9, group_size=1, offset=4, generator=generator).flatten().tolist() == [4, 5, 6, 8, 9]
 
 
 def test_gto_term_is_zero_at_the_reference_and_trains_once_it_moves(
     target: TargetModel,
 ) -> None:
-    module = _module(target)
+    # T = 1 expected-acceptance factors: after 30 token-loss steps the 0/1 factors leave only
+    # clipped ratios here (test_greedy_factors_are_the_t0_default covers those)
+    module = _module(target, reward_factors="probs")
     batch = _batch()
     result = module.gto_term(batch, statistics=True)
     assert result.prefixes == 16  # 2 sequences x 2 groups x 4 prefixes
@@ -198,3 +203,100 @@ def test_gto_at_temperature_one_samples_with_the_decoders_verifier(target: Targe
     result = module.gto_term(_batch(), statistics=True)
     assert result.prefixes == 16 and float(result.loss.detach()) == 0.0
     assert Eagle3Drafter is type(module.reference)
+
+
+# ------------------------------------------------------------------ issue 36: T = 0 defaults
+def _greedy_text_batch(target: TargetModel, rows: int = 2, length: int = 48) -> dict:
+    """The target's own greedy continuations of random prompts, with the cached teacher-forced
+    pass a `regenerated` feature store would carry (features, final hidden states, argmax)."""
+    from lightning_spec.decoding.engine import autoregressive_generate
+
+    generator = torch.Generator().manual_seed(4)
+    texts = []
+    for _ in range(rows):
+        prompt = torch.randint(3, VOCAB, (6,), generator=generator).tolist()
+        texts.append(prompt + autoregressive_generate(target, prompt, length - 6, stop_on_eos=False))
+    ids = torch.tensor(texts)
+    with torch.no_grad():
+        output = target(ids, output_features=True)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, 6:] = 1
+    return {
+        "input_ids": ids,
+        "loss_mask": loss_mask,
+        "features": output.features,
+        "last_hidden": output.last_hidden,
+        "target_argmax": target.head_argmax(output.last_hidden),
+    }
+
+
+def test_greedy_factors_are_the_t0_default(target: TargetModel) -> None:
+    assert _module(target).factors == "greedy"
+    assert _module(target, temperature=1.0).factors == "probs"
+    assert _module(target, reward_factors="probs").factors == "probs"
+
+
+def test_cached_pass_gives_exactly_what_scoring_through_the_target_gives(
+    target: TargetModel, greedy_fit
+) -> None:
+    """On greedy text, rewards, accepted paths, the loss and its gradients from the cached
+    teacher-forced pass equal those from the target's tree-scoring forwards, and the cached
+    step runs no target forward."""
+    batch = _greedy_text_batch(target)
+    drafter = Eagle3Drafter.from_target(target, intermediate_size=64)  # the full vocabulary
+    greedy_fit(target, drafter, [batch["input_ids"][i, :6].tolist() for i in range(2)], length=48, steps=30)
+    module = GroupTreeOptimization.from_objects(
+        target, drafter, tree="dynamic:3,3,8", group_size=4, groups=3, ttt_steps=2
+    )
+    with torch.no_grad():  # move the drafter off its reference, so advantages are not all 0
+        for p in module.drafter.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    results, grads = [], []
+    for cached in (True, False):
+        module.hparams.cached_rewards = cached
+        module._generator.manual_seed(0)
+        calls = []
+        handle = target.register_forward_hook(lambda *a: calls.append(1))
+        try:
+            result = module.gto_term(batch, statistics=True)
+        finally:
+            handle.remove()
+        assert (len(calls) == 0) == cached
+        module.drafter.zero_grad()
+        result.loss.backward()
+        grads.append([p.grad.clone() for p in module.drafter.parameters() if p.grad is not None])
+        results.append(result)
+    fast, scored = results
+    assert module._cached_sequences == 2 and module._scored_sequences == 2
+    assert fast.accept_length > 0.5  # the fitted head gets drafts accepted: a real comparison
+    for name in ("reward", "reference_reward", "accept_length", "reference_accept_length",
+                 "clip_fraction", "ratio_mean", "pruned", "follows"):
+        assert getattr(fast, name) == pytest.approx(getattr(scored, name), abs=1e-6), name
+    assert float(fast.loss.detach()) == pytest.approx(float(scored.loss.detach()), abs=1e-6)
+    assert any(float(g.abs().sum()) > 0 for g in grads[0])  # a live gradient, not two zeros
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads, strict=True))
+
+
+def test_text_scores_refuse_what_is_not_greedy_text(target: TargetModel) -> None:
+    from lightning_spec.objectives.gto import text_scores
+
+    batch = _greedy_text_batch(target, rows=1)
+    ids, argmax = batch["input_ids"][0], batch["target_argmax"][0]
+    module = _module(target)
+    roots = torch.tensor([10, 11])
+    with torch.no_grad():
+        trees = module._trees(module.drafter, ids[None, :12], roots, batch["features"][:, :12])
+    assert text_scores(trees, ids, argmax, roots) is not None
+    edited = ids.clone()
+    edited[12] = (int(edited[12]) + 1) % VOCAB  # no longer the target's argmax after ids[:12]
+    assert text_scores(trees, edited, argmax, roots) is None
+    assert text_scores(trees, ids[:13], argmax, roots) is None  # the text ends inside the tree
+
+
+def test_validation_prefixes_do_not_depend_on_training(target: TargetModel) -> None:
+    module = _module(target, reward_factors="probs")
+    batch = _batch()
+    first = module.gto_term(batch, generator=torch.Generator().manual_seed(5))
+    module.gto_term(batch)  # training draws move the training generator only
+    again = module.gto_term(batch, generator=torch.Generator().manual_seed(5))
+    assert again.reward == first.reward and again.prefixes == first.prefixes
