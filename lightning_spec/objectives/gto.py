@@ -190,6 +190,8 @@ class GTOResult:
     reference_pruned: float | None = None
     reference_follows: float | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    accept_lengths: list[int] = field(default_factory=list)  # per prefix, in root order
+    rewards: list[float] = field(default_factory=list)  # per prefix, in root order
 
 
 class GroupTreeOptimization(EagleSFT):
@@ -455,6 +457,8 @@ class GroupTreeOptimization(EagleSFT):
             trees_scored=2 * len(trees),
             rows_scored=sum(t.num_nodes + 1 for t in trees + reference_trees),
             score_seconds=score_seconds,
+            accept_lengths=[int(n) for n in lengths.tolist()],
+            rewards=[float(r) for r in rewards.tolist()],
         )
         if statistics:
             with torch.no_grad():
@@ -651,4 +655,6 @@ def _combine(parts: list[GTOResult], zero: Tensor, seconds: float) -> GTOResult:
         follows=optional("follows"),
         reference_pruned=optional("reference_pruned"),
         reference_follows=optional("reference_follows"),
+        accept_lengths=[n for p in parts for n in p.accept_lengths],
+        rewards=[r for p in parts for r in p.rewards],
     )

@@ -300,3 +300,38 @@ def test_validation_prefixes_do_not_depend_on_training(target: TargetModel) -> N
     module.gto_term(batch)  # training draws move the training generator only
     again = module.gto_term(batch, generator=torch.Generator().manual_seed(5))
     assert again.reward == first.reward and again.prefixes == first.prefixes
+
+
+@pytest.mark.parametrize("omega", [1.0, -1.0])
+def test_gto_only_steps_move_the_surrogate_in_the_direction_of_their_sign(
+    target: TargetModel, greedy_fit, omega: float
+) -> None:
+    """The mechanism's plumbing: GTO-only steps (token loss weight 0) on fixed prefixes lower
+    L_GTO there with omega > 0 and raise it with omega < 0 (no sign or stop-gradient slip).
+    Whether that raises the tree reward is measured, not assumed: bench/gto_sign_test.py
+    (BENCHMARKS.md section 18: on this tiny model it lowers it, whatever the sign)."""
+    batch = _greedy_text_batch(target)
+    drafter = Eagle3Drafter.from_target(target, intermediate_size=64)
+    greedy_fit(target, drafter, [batch["input_ids"][i, :6].tolist() for i in range(2)], length=48, steps=30)
+    module = GroupTreeOptimization.from_objects(
+        target, drafter, tree="dynamic:3,3,8", group_size=4, groups=3, ttt_steps=2,
+        omega=omega, token_weight=0.0,
+    )
+    with torch.no_grad():
+        for p in module.drafter.parameters():
+            p.add_(0.003 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+
+    def surrogate() -> float:
+        with torch.no_grad():
+            return float(module.gto_term(batch, generator=torch.Generator().manual_seed(0)).loss)
+
+    before = surrogate()
+    optimizer = torch.optim.SGD(module.drafter.parameters(), lr=1e-2)
+    for _ in range(3):
+        result = module.gto_term(batch, generator=torch.Generator().manual_seed(0))
+        optimizer.zero_grad()
+        (omega * result.loss).backward()
+        optimizer.step()
+    after = surrogate()
+    assert before != 0.0
+    assert (after < before) if omega > 0 else (after > before), (before, after)

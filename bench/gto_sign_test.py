@@ -1,0 +1,219 @@
+"""GTO's sign test: does a GTO step raise the tree reward? Three arms, omega = +k, 0, -k.
+
+    python bench/gto_sign_test.py --tiny --out bench/results/gto_sign_tiny.json
+    python bench/gto_sign_test.py --drafter DIR --tree dynamic:6,10,32 --prompts 96 \
+        --held-out 48 --steps 300 --omega 5 --lr 5e-5 --out bench/results/gto_sign_smollm2.json
+
+Every arm starts from the same drafter (its frozen copy is the reference), sees the same
+batches and the same prefixes (the group generator is reset per batch), and trains with
+L = token_weight * L_token + omega * L_GTO (token_weight 0 by default: GTO alone, so
+only the GTO term can move the reward). At T = 0 on the target's own greedy text, so the cached
+path scores every tree without a target forward. Every `--eval-every` steps each arm's
+accepted length (the T = 0 tree reward's argmax form) and LSE reward are measured on the
+training prefixes and on held-out prefixes (fixed, the same for every arm and every
+evaluation); the final table pairs the arms prefix by prefix with bootstrap intervals.
+
+If the update pushes toward a higher reward, +k beats -k beyond noise and +k >= 0. With the
+reference equal to the start, the advantages are all 0 at step 0 (nothing moves); `--jitter`
+moves the start off the reference by a small random perturbation (or pass token_weight > 0, the
+paper's setting, where the token loss moves it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_spec.io import atomic_write_json
+from lightning_spec.stats import bootstrap_ci
+
+
+def greedy_text_batches(
+    target: Any, prompts: list[list[int]], *, new_tokens: int, batch_size: int
+) -> list[dict[str, torch.Tensor]]:
+    """Batches of the target's greedy continuations with their cached teacher-forced pass."""
+    from lightning_spec.data.regenerate import greedy_answers
+
+    answers = greedy_answers(target, prompts, max_new_tokens=new_tokens, batch_size=8)
+    texts = [p + a for p, a in zip(prompts, answers, strict=True)]
+    batches = []
+    for begin in range(0, len(texts), batch_size):
+        chunk = texts[begin : begin + batch_size]
+        prompt_lengths = [len(p) for p in prompts[begin : begin + batch_size]]
+        width = max(len(t) for t in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        loss_mask = torch.zeros_like(ids)
+        for row, (text, plen) in enumerate(zip(chunk, prompt_lengths, strict=True)):
+            ids[row, : len(text)] = torch.tensor(text)
+            attention[row, : len(text)] = 1
+            loss_mask[row, plen : len(text)] = 1
+        with torch.no_grad():
+            output = target(ids, attention_mask=attention, output_features=True)
+        batches.append(
+            {
+                "input_ids": ids,
+                "attention_mask": attention,
+                "loss_mask": loss_mask,
+                "features": output.features,
+                "last_hidden": output.last_hidden,
+                "target_argmax": target.head_argmax(output.last_hidden),
+            }
+        )
+    return batches
+
+
+def evaluate(module: Any, batches: list[dict], seed: int) -> tuple[list[int], list[float]]:
+    """Per-prefix accepted lengths and rewards on fixed prefixes (seed per batch)."""
+    lengths: list[int] = []
+    rewards: list[float] = []
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            result = module.gto_term(batch, generator=torch.Generator().manual_seed(seed + index))
+            lengths += result.accept_lengths
+            rewards += result.rewards
+    return lengths, rewards
+
+
+def _paired(a: list[float], b: list[float]) -> dict[str, Any]:
+    diffs = [x - y for x, y in zip(a, b, strict=True)]
+    interval = bootstrap_ci(diffs)
+    return {"mean_diff": sum(diffs) / len(diffs), "ci": list(interval) if interval else None}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_spec.objectives.gto import GroupTreeOptimization
+
+    if args.tiny:
+        from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+        from lightning_spec.models.target import TargetModel
+        from lightning_spec.models.tiny import tiny_config
+
+        target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
+        generator = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(3, 128, (6,), generator=generator).tolist() for _ in range(args.prompts + args.held_out)]
+        base = Eagle3Drafter.from_target(target, intermediate_size=64)
+        batches = greedy_text_batches(target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size)
+        # a head trained on the texts with the token loss alone: drafts accepted part of the time
+        warm = GroupTreeOptimization.from_objects(target, base, tree=args.tree, ttt_steps=2)
+        optimizer = torch.optim.Adam(warm.drafter.parameters(), lr=3e-3)
+        for step in range(args.warm_steps):
+            optimizer.zero_grad()
+            warm._common_step(batches[step % len(batches)]).loss.backward()
+            optimizer.step()
+        base = warm.drafter
+    else:
+        from lightning_spec.models.drafters.base import load_drafter
+        from lightning_spec.models.target import load_target
+        from lightning_spec.specs import load_prompts
+
+        target = load_target(args.target)
+        base = load_drafter(args.drafter, target=target)
+        prompts = []
+        for spec in args.dataset.split(","):
+            _, items = load_prompts(spec, target.tokenizer, limit=None, selection="first")
+            prompts += [list(ids) for ids, _ in items]
+        generator = torch.Generator().manual_seed(args.seed)
+        order = torch.randperm(len(prompts), generator=generator).tolist()
+        prompts = [prompts[i] for i in order[: args.prompts + args.held_out]]
+        tic = time.perf_counter()
+        batches = greedy_text_batches(target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size)
+        print(f"greedy texts and cached passes: {time.perf_counter() - tic:.0f} s", flush=True)
+    split = args.prompts // args.batch_size
+    train, held_out = batches[:split], batches[split:]
+    report: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "arms": {}}
+    finals: dict[float, dict[str, list]] = {}
+    for omega in (args.omega, 0.0, -args.omega):
+        drafter = copy.deepcopy(base)
+        module = GroupTreeOptimization.from_objects(
+            target, drafter, tree=args.tree, group_size=args.group_size, groups=args.groups,
+            ttt_steps=2 if args.tiny else 3, omega=omega, token_weight=args.token_weight,
+            debias=not args.no_debias, seed=args.seed,
+        )
+        if args.jitter:
+            noise = torch.Generator().manual_seed(args.seed + 17)
+            with torch.no_grad():
+                for p in module.drafter.parameters():
+                    p.add_(args.jitter * torch.randn(p.shape, generator=noise))
+        optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        curve = []
+        tic = time.perf_counter()
+        for step in range(args.steps + 1):
+            if step % args.eval_every == 0 or step == args.steps:
+                tl, tr = evaluate(module, train, args.seed)
+                hl, hr = evaluate(module, held_out, args.seed + 1000)
+                curve.append({
+                    "step": step, "seconds": time.perf_counter() - tic,
+                    "train_accept": sum(tl) / len(tl), "train_reward": sum(tr) / len(tr),
+                    "heldout_accept": sum(hl) / len(hl), "heldout_reward": sum(hr) / len(hr),
+                })
+                print(f"omega {omega:+g} step {step}: {curve[-1]}", flush=True)
+                finals[omega] = {"train": tl, "heldout": hl, "train_reward": tr, "heldout_reward": hr}
+            if step == args.steps:
+                break
+            index = step % len(train)
+            batch = train[index]
+            module._generator.manual_seed(args.seed + index)  # the same prefixes in every arm
+            token = module._common_step(batch) if args.token_weight > 0 else None
+            gto = module.gto_term(batch)
+            loss = omega * gto.loss + (args.token_weight * token.loss if token is not None else 0.0)
+            optimizer.zero_grad()
+            if loss.requires_grad:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(module.drafter.parameters(), 0.5)
+                optimizer.step()
+        report["arms"][f"{omega:+g}"] = curve
+    plus, zero, minus = finals[args.omega], finals[0.0], finals[-args.omega]
+    report["paired"] = {
+        f"{split}_{what}": {
+            "plus_minus": _paired(plus[key], minus[key]),
+            "plus_zero": _paired(plus[key], zero[key]),
+        }
+        for split in ("train", "heldout")
+        for what, key in (("accept", split), ("reward", f"{split}_reward"))
+    }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny random target built in code")
+    parser.add_argument("--target", default="smollm2")
+    parser.add_argument("--drafter", type=Path, default=None)
+    parser.add_argument("--dataset", default="mtbench,humaneval")
+    parser.add_argument("--tree", default="dynamic:3,3,8")
+    parser.add_argument("--prompts", type=int, default=16, help="training prompts")
+    parser.add_argument("--held-out", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--omega", type=float, default=1.0)
+    parser.add_argument("--token-weight", type=float, default=0.0)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--jitter", type=float, default=0.003)
+    parser.add_argument("--no-debias", action="store_true")
+    parser.add_argument("--warm-steps", type=int, default=40, help="--tiny: token-loss warm start")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if not args.tiny and args.drafter is None:
+        parser.error("--drafter is required unless --tiny")
+    report = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(args.out, report, default=str)
+    print(json.dumps(report["paired"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Our EAGLE-3 drafter inside a real llama.cpp (built from its PyPI source package, cached):
+it loads, drafts with the acceptance our own decoder measures for the same drafter, prompts and
+chain length, and its greedy output equals llama.cpp's output with the target drafting for
+itself (the same batched-verification numerics). Slow: the real SmolLM2 and, on first use, a
+7-minute build of llama.cpp into the asset cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_spec.bench.llamacpp import mode_args, run_modes, summarize
+
+pytestmark = pytest.mark.slow
+
+CHAIN, NEW_TOKENS = 3, 40
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, greedy_fit) -> dict:
+    from lightning_spec.decoding.engine import autoregressive_generate
+    from lightning_spec.export.gguf_package import export_gguf_package
+    from lightning_spec.export.llamacpp import ensure_llamacpp
+    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+    from lightning_spec.models.target import load_target
+    from lightning_spec.specs import load_prompts
+
+    built = ensure_llamacpp()
+    target = load_target("smollm2")
+    _, items = load_prompts("mtbench", target.tokenizer, limit=4)
+    prompts = [list(ids) for ids, _ in items]
+    # a head fitted on these prompts' own greedy continuations: drafts are accepted most of the
+    # time, but not always, so acceptance can be compared across engines
+    counts = torch.zeros(target.vocab_size)
+    for prompt in prompts:
+        text = prompt + autoregressive_generate(target, prompt, NEW_TOKENS, stop_on_eos=False)
+        counts += torch.bincount(torch.tensor(text), minlength=target.vocab_size).float()
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=2048, token_counts=counts)
+    greedy_fit(target, drafter, prompts, length=max(len(p) for p in prompts) + NEW_TOKENS, steps=40)
+    root = tmp_path_factory.mktemp("llamacpp")
+    drafter.save_pretrained(root / "drafter")
+    package = export_gguf_package(root / "drafter", root / "gguf", target="smollm2", with_target="f32")
+    return {
+        "built": built,
+        "target": target,
+        "drafter": drafter,
+        "prompts": prompts,
+        "target_gguf": root / "gguf" / package["files"]["target"]["path"],
+        "drafter_gguf": root / "gguf" / package["files"]["drafter"]["path"],
+    }
+
+
+def test_llamacpp_runs_our_drafter_like_our_decoder(setup: dict) -> None:
+    from lightning_spec.decoding.build import parse_tree_spec
+    from lightning_spec.decoding.engine import SpeculativeDecoder
+
+    modes = [
+        mode_args("plain"),
+        mode_args("eagle3", drafter_gguf=setup["drafter_gguf"], n_max=CHAIN),
+        mode_args("self", target_gguf=setup["target_gguf"], n_max=CHAIN),
+    ]
+    results = run_modes(
+        setup["built"].binary("llama-server"), Path(setup["target_gguf"]), modes,
+        setup["prompts"], max_new_tokens=NEW_TOKENS, progress=False,
+    )
+    rows = summarize(results, reference=f"self@{CHAIN}", resamples=200)
+    theirs = rows[f"eagle3@{CHAIN}"]
+    decoder = SpeculativeDecoder(setup["target"], setup["drafter"], parse_tree_spec(f"chain:{CHAIN}"))
+    records = [r for p in setup["prompts"] for r in decoder.generate(p, NEW_TOKENS).records]
+    ours = sum(len(r.accepted) for r in records) / (CHAIN * len(records))
+    print(f"acceptance at chain:{CHAIN}: llama.cpp {theirs['acceptance']:.3f}, ours {ours:.3f}; rows {rows}")
+    assert theirs["drafted"] > 0 and theirs["acceptance"] > 0.15  # the drafter works there
+    assert abs(theirs["acceptance"] - ours) < 0.1, (theirs["acceptance"], ours)
+    # with our drafter llama.cpp decodes what it decodes with the target drafting for itself
+    assert theirs["mismatches_vs_self"] == 0, theirs
+    assert rows[f"self@{CHAIN}"]["acceptance"] > 0.95  # the target agrees with itself
