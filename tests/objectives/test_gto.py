@@ -255,8 +255,8 @@ def test_cached_pass_gives_exactly_what_scoring_through_the_target_gives(
     for cached in (True, False):
         module.hparams.cached_rewards = cached
         module._generator.manual_seed(0)
-        calls = []
-        handle = target.register_forward_hook(lambda *a: calls.append(1))
+        calls: list[int] = []
+        handle = target.register_forward_hook(lambda *a, calls=calls: calls.append(1))
         try:
             result = module.gto_term(batch, statistics=True)
         finally:
