@@ -47,6 +47,8 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
     unknown = set(config) - KEYS
     if unknown:
         raise ValueError(f"unknown online config keys {sorted(unknown)}; known: {sorted(KEYS)}")
+    if isinstance(config.get("stream"), str):  # a JSONL file, served whole in file order
+        config["stream"] = [{"source": config["stream"], "count": 0, "order": "source"}]
     for field in ("drafter", "stream"):
         if field not in config:
             raise ValueError(f"the online config needs {field!r}")
@@ -78,8 +80,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default=None, help="override strategy.name")
     parser.add_argument("--seed", type=int, default=None, help="override the stream seed")
     parser.add_argument("--out-dir", default=None, help="override out_dir")
+    parser.add_argument(
+        "--stream",
+        default=None,
+        metavar="FILE.jsonl",
+        help="serve this JSONL file's prompts, all of them, in file order (overrides stream)",
+    )
+    parser.add_argument(
+        "--skip", type=int, default=0, help="with --stream: start after the first N prompts"
+    )
+    parser.add_argument(
+        "--limit", type=int, default=0, help="with --stream: serve at most N prompts"
+    )
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {}
+    if args.stream is not None:
+        if not Path(args.stream).is_file():
+            print(f"online: no stream file {args.stream}", file=sys.stderr)
+            return 2
+        overrides["stream"] = [
+            {"source": args.stream, "count": args.limit, "order": "source", "skip": args.skip}
+        ]
     if args.seed is not None:
         overrides["seed"] = args.seed
     if args.out_dir is not None:
@@ -122,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             margin=float(spec.get("margin", 0.05)),
             max_new_tokens=int(spec.get("max_new_tokens", 32)),
         )
-    segments = [Segment(str(s["source"]), int(s["count"])) for s in config["stream"]]
+    segments = [
+        Segment(
+            str(s["source"]), int(s["count"]), str(s.get("order", "shuffle")), int(s.get("skip", 0))
+        )
+        for s in config["stream"]
+    ]
     requests = build_stream(target.tokenizer, segments, seed=int(config["seed"]), exclude=exclude)
     options = {k: v for k, v in config["strategy"].items() if k != "name"}
     try:

@@ -3,7 +3,11 @@
 OnlineSpec is judged on streams whose topic drifts (chat, then code, then maths): a `Segment`
 names a prompt source (``sharegpt``, ``mtbench``, ``humaneval`` or a JSONL path) and how many
 requests it contributes; segments follow each other in the given order, and prompts inside a
-segment are shuffled with the stream's seed (a second seed is a second stream of the same mix).
+segment are shuffled with the stream's seed (a second seed is a second stream of the same mix),
+or, with ``order: source``, taken as the first `count` in the source's own order: the regime the
+OnlineSpec papers serve (one narrow domain in dataset order, so consecutive requests share
+vocabulary and idioms; `data.domain_streams` builds such streams). A `count` of 0 with
+``order: source`` takes the whole source.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ __all__ = ["Request", "Segment", "build_stream"]
 class Segment:
     source: str
     count: int
+    order: str = "shuffle"  # "shuffle" (with the stream's seed) | "source" (file order)
+    skip: int = 0  # with order "source": start after the first `skip` items (a warm start's)
 
 
 @dataclass(frozen=True)
@@ -48,10 +54,16 @@ def build_stream(
     generator = random.Random(seed)
     requests: list[Request] = []
     for segment in segments:
-        if segment.count < 1:
+        if segment.order not in ("shuffle", "source"):
+            raise ValueError(f"segment {segment.source!r}: order must be shuffle or source")
+        whole = segment.order == "source" and segment.count == 0
+        if segment.count < 1 and not whole:
             raise ValueError(f"segment {segment.source!r}: count must be >= 1")
+        if segment.skip < 0 or (segment.skip and segment.order != "source"):
+            raise ValueError(f"segment {segment.source!r}: skip needs order: source and >= 0")
         small = segment.source.strip().lower() in ("mtbench", "mt-bench", "humaneval")
-        limit = None if small else max(4 * segment.count, 200)  # ShareGPT: not all 17k
+        is_file = segment.source.endswith((".jsonl", ".jsonl.gz", ".ndjson", ".json"))
+        limit = None if small or is_file else max(4 * segment.count, 200)  # ShareGPT: not all 17k
         _, items = specs.load_prompts(segment.source, tokenizer, limit, "first")
         held_out = {i for src, i in (exclude or set()) if src == segment.source}
         items = [
@@ -59,12 +71,19 @@ def build_stream(
             for item in items
             if len(item[0]) <= max_prompt_tokens and str(item[1].get("id")) not in held_out
         ]
-        if len(items) < segment.count:
+        if segment.order == "source":
+            items = items[segment.skip :]
+        count = len(items) if whole else segment.count
+        if len(items) < count or count == 0:
             raise ValueError(
-                f"segment {segment.source!r} asks for {segment.count} prompts, the source has "
+                f"segment {segment.source!r} asks for {count or 'all'} prompts, the source has "
                 f"{len(items)} of at most {max_prompt_tokens} tokens"
+                + (f" after skipping {segment.skip}" if segment.skip else "")
             )
-        chosen = generator.sample(range(len(items)), segment.count)
+        if segment.order == "source":
+            chosen = list(range(count))
+        else:
+            chosen = generator.sample(range(len(items)), count)
         for position in chosen:
             prompt, meta = items[position]
             requests.append(
