@@ -7,6 +7,14 @@ tokens per request, the strategy and its options, the output folder), builds the
 folder unless MLFLOW_TRACKING_URI says otherwise) and prints the prequential summary. Started
 again with the same output folder, a killed stream resumes at its round. Strategies here:
 `frozen`, `ogd`, `optimistic`, `ensemble`, `osd`, `dpo` (ALGORITHMS.md section 4).
+
+`--stream FILE.jsonl` (or ``stream: FILE.jsonl``) serves a JSONL file of prompts whole and in
+file order (``--skip N`` past a warm start's items, ``--limit N``); `data.domain_streams`
+builds narrow-domain ones. ``replay: true`` generates the stream's greedy answers once in
+batches (cached in ``replay_cache``, default ``OUT_DIR/../continuations.jsonl``, shared by
+every strategy served beside it) and serves each request by exact replay: the same tau and
+feedback as live decoding at T = 0, at a fraction of the time (tokens/s then comes from a live
+run).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ __all__ = ["load_config", "main", "parse_value"]
 
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
-        "record_feedback"}  # fmt: skip
+        "record_feedback", "replay", "replay_cache", "replay_batch"}  # fmt: skip
 
 
 def parse_value(raw: str) -> Any:
@@ -150,6 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         for s in config["stream"]
     ]
     requests = build_stream(target.tokenizer, segments, seed=int(config["seed"]), exclude=exclude)
+    continuations = None
+    if config.get("replay"):  # T = 0: answers generated once in batches, every strategy replays
+        from lightning_spec.serving.continuations import stream_continuations
+
+        cache = config.get("replay_cache") or Path(config["out_dir"]).parent / "continuations.jsonl"
+        continuations = stream_continuations(
+            target, requests, max_new_tokens=int(config["max_new_tokens"]), cache=cache,
+            batch_size=int(config.get("replay_batch", 8)),
+        )
     options = {k: v for k, v in config["strategy"].items() if k != "name"}
     try:
         strategy = make_strategy(str(config["strategy"]["name"]), drafter, **options)
@@ -172,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         guard=guard,
         regret_window=int(config.get("regret_window", 0)),
         record_feedback=bool(config.get("record_feedback", False)),
+        continuations=continuations,
     )
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]

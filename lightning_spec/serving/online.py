@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SafetyGuard",
+    "replay_request",
     "load_feedback",
     "prequential_summary",
     "run_stream",
@@ -138,6 +139,7 @@ def run_stream(
     guard: SafetyGuard | None = None,
     regret_window: int = 0,
     record_feedback: bool = False,
+    continuations: Sequence[Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
     request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
@@ -145,7 +147,10 @@ def run_stream(
     `regret_window` > 0 logs `regret_proxy` every that many rounds (see `regret_proxy`);
     `record_feedback` saves each round's served generations (tokens, step records, kept
     features) to ``feedback/round-NNNN.pt``, so strategies and learning rates can be compared
-    offline on the very same feedback (`bench/online_replay.py`) without serving again."""
+    offline on the very same feedback (`bench/online_replay.py`) without serving again.
+    `continuations` (one per request, `serving.continuations`): serve by exact greedy replay
+    of these known answers instead of decoding (T = 0; tau and feedback as live, time not:
+    the rows say ``replayed``); an empty one is decoded live."""
     require_drafter_policy(policy, "the OnlineSpec stream (it learns from the rejected drafts)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -167,8 +172,12 @@ def run_stream(
         decoder = SpeculativeDecoder(target, strategy.drafter, policy, keep_features=True)
         generations = []
         served_seconds = 0.0
-        for request in chunk:
-            result = decoder.generate(request.prompt, max_new_tokens)
+        for offset, request in enumerate(chunk):
+            known = None if continuations is None else continuations[index * round_size + offset]
+            if known:
+                result = replay_request(target, strategy.drafter, policy, request.prompt, known)
+            else:
+                result = decoder.generate(request.prompt, max_new_tokens)
             generations.append(result)
             served_seconds += result.total_seconds
             row = {
@@ -181,8 +190,9 @@ def run_stream(
                 "verifications": result.num_verifications,
                 "seconds": result.total_seconds,
                 "tokens_per_s": len(result.tokens) / result.total_seconds
-                if result.total_seconds > 0
+                if result.total_seconds > 0 and not known
                 else None,
+                "replayed": bool(known),
             }
             logged.append(row)
             _append(out / REQUESTS, row)
@@ -227,6 +237,21 @@ def run_stream(
 
 
 FEEDBACK = "feedback"
+
+
+def replay_request(
+    target: Any, drafter: Any, policy: TreePolicy, prompt: Sequence[int], answer: Sequence[int]
+) -> Any:
+    """What serving `prompt` with `drafter` gives at T = 0 when its greedy `answer` is known:
+    the replayed records plus the committed tokens' target features (as ``keep_features``
+    decoding keeps them), from one teacher-forced pass."""
+    from lightning_spec.decoding.replay import replay_greedy, text_pass
+
+    ids = torch.tensor([list(prompt) + list(answer)], device=target.device)
+    text = text_pass(target, ids, len(prompt), features=True)
+    generation = replay_greedy(target, drafter, policy, prompt, answer, text=text)
+    generation.features = text.features[0, : ids.shape[1] - 1]
+    return generation
 
 
 def save_feedback(out: Path, index: int, generations: list[Any]) -> Path:

@@ -285,3 +285,40 @@ def test_topk_hits_counts_the_label_among_the_k_most_likely_tokens() -> None:
     assert topk_hits(log_q, labels, 2).tolist() == [1.0, 0.0]
     assert topk_hits(log_q, labels, 4).tolist() == [1.0, 1.0]
     assert topk_hits(log_q, labels, 9).tolist() == [1.0, 1.0]  # k beyond the vocabulary: all
+
+
+def test_a_replayed_stream_equals_the_live_one(
+    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answers generated once in batches and replayed give every request the tau, tokens and
+    feedback of live decoding, also after OGD has moved the drafter; the cache resumes."""
+    from lightning_spec.data import regenerate
+    from lightning_spec.serving.continuations import stream_continuations
+
+    policy = parse_tree_spec(POLICY)
+    requests = _requests(6)
+    options = {"lr": 3e-3, "steps_per_round": 2}
+    live = run_stream(
+        target, make_strategy("ogd", HELPERS._drafter(target), **options), policy, requests,
+        out_dir=tmp_path / "live", round_size=2, max_new_tokens=10,
+    )  # fmt: skip
+    cache = tmp_path / "answers.jsonl"
+    answers = stream_continuations(
+        target, requests, max_new_tokens=10, cache=cache, batch_size=4, progress=False
+    )
+    for request, answer, row in zip(requests, answers, live, strict=True):
+        assert answer == autoregressive_generate(target, request.prompt, 10)[: len(answer)]
+        assert len(answer) == row["tokens"]  # no near-tie cut on this target
+    replayed = run_stream(
+        target, make_strategy("ogd", HELPERS._drafter(target), **options), policy, requests,
+        out_dir=tmp_path / "replayed", round_size=2, max_new_tokens=10, continuations=answers,
+    )  # fmt: skip
+    assert [r["tau"] for r in replayed] == pytest.approx([r["tau"] for r in live], abs=1e-9)
+    assert [r["verifications"] for r in replayed] == [r["verifications"] for r in live]
+    assert all(r["replayed"] and r["tokens_per_s"] is None for r in replayed)
+    assert not any(r["replayed"] for r in live)
+    # a second call reads the cache and generates nothing; another length is refused
+    monkeypatch.setattr(regenerate, "greedy_answers", lambda *a, **k: pytest.fail("generated"))
+    assert stream_continuations(target, requests, max_new_tokens=10, cache=cache, progress=False) == answers
+    with pytest.raises(ValueError, match="another target or length"):
+        stream_continuations(target, requests, max_new_tokens=11, cache=cache, progress=False)

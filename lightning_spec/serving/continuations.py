@@ -1,0 +1,100 @@
+"""A stream's greedy answers, generated once in batches and cached: every strategy replays them.
+
+At T = 0 what a request commits does not depend on the drafter (it is the target's greedy
+answer), so a long stream need not be decoded once per strategy: the answers are generated
+once, `batch_size` prompts at a time (HF batch decode, several times the speed of batch-1
+decoding on a CPU), each cut to its batch-1 greedy prefix (batched arithmetic may break a
+near-tie differently; `decoding.replay.greedy_prefix`), and kept in a JSONL file keyed by
+request id. `run_stream(continuations=...)` then serves each request by exact replay
+(`decoding.replay.replay_greedy`): the records, hence tau and the feedback the strategies learn
+from, are the ones live decoding would give on that text (tests compare them). Only time is not
+replayed: tokens/s comes from a live run (`lightning-spec online` without ``replay``).
+
+The file starts with a header line (target fingerprint, max_new_tokens) and is appended and
+fsynced batch by batch, so a killed generation resumes with what it wrote; a header that does
+not match refuses the file (another target or answer length).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["stream_continuations"]
+
+
+def _header(target: Any, max_new_tokens: int) -> dict[str, Any]:
+    from lightning_spec.models.fingerprint import cached_target_fingerprint
+
+    return {"header": True, "target": cached_target_fingerprint(target), "max_new_tokens": max_new_tokens}
+
+
+def _read(path: Path, header: dict[str, Any]) -> dict[str, list[int]]:
+    if not path.is_file():
+        return {}
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        return {}
+    found = json.loads(lines[0])
+    if {k: found.get(k) for k in header} != header:
+        raise ValueError(
+            f"{path} holds answers of another target or length ({found.get('max_new_tokens')} "
+            "new tokens): remove it or name another replay cache"
+        )
+    cached: dict[str, list[int]] = {}
+    for line in lines[1:]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill: its request is generated again
+        cached[str(row["id"])] = [int(t) for t in row["tokens"]]
+    return cached
+
+
+def stream_continuations(
+    target: Any,
+    requests: Sequence[Any],
+    *,
+    max_new_tokens: int,
+    cache: str | Path,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> list[list[int]]:
+    """The greedy answer of every request (`Request`: ``id``, ``prompt``), cut to its batch-1
+    greedy prefix; from `cache` where it has them, generated (and appended) otherwise."""
+    from lightning_spec.data.regenerate import greedy_answers
+    from lightning_spec.decoding.replay import greedy_prefix, text_pass
+
+    path = Path(cache)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = _header(target, int(max_new_tokens))
+    cached = _read(path, header)
+    if not path.is_file() or not path.read_text().strip():
+        path.write_text(json.dumps(header) + "\n")
+    missing = [r for r in requests if str(r.id) not in cached]
+    for begin in range(0, len(missing), batch_size * 4):
+        chunk = missing[begin : begin + batch_size * 4]
+        answers = greedy_answers(
+            target, [r.prompt for r in chunk], max_new_tokens=max_new_tokens, batch_size=batch_size
+        )
+        lines = []
+        for request, answer in zip(chunk, answers, strict=True):
+            keep = len(answer)
+            if answer:
+                ids = torch.tensor([list(request.prompt) + list(answer)], device=target.device)
+                text = text_pass(target, ids, len(request.prompt), features=False)
+                keep = greedy_prefix(target, text, answer)
+            cached[str(request.id)] = list(answer[:keep])
+            lines.append(json.dumps({"id": str(request.id), "tokens": answer[:keep], "cut": keep < len(answer)}))
+        with open(path, "a") as handle:
+            handle.write("".join(line + "\n" for line in lines))
+            handle.flush()
+            os.fsync(handle.fileno())
+        if progress:
+            print(f"[continuations] {begin + len(chunk)}/{len(missing)} generated", flush=True)
+    return [cached[str(r.id)] for r in requests]
