@@ -114,6 +114,25 @@ def _step_terms(
     return log_qs, label_draft.clamp_min(0), masks
 
 
+def draft_vocab_miss(drafter: Drafter, batch: dict[str, Tensor]) -> float:
+    """Share of the served (loss-mask) tokens the drafter cannot draft: outside its draft
+    vocabulary, so never proposed and masked out of every loss (0 for a full vocabulary)."""
+    if _draft_ids(drafter) is None:
+        return 0.0
+    ids = batch["input_ids"]
+    served = (batch["loss_mask"] * batch["attention_mask"]).bool()
+    if not bool(served.any()):
+        return 0.0
+    missing = drafter.target_to_draft_ids(ids.to(next(drafter.parameters()).device)).cpu() < 0
+    return float((missing & served).sum()) / float(served.sum())
+
+
+def _minibatches(batch: dict[str, Tensor], size: int, generator: torch.Generator) -> list[dict[str, Tensor]]:
+    """The rows of `batch` in shuffled minibatches of `size` (the last may be smaller)."""
+    order = torch.randperm(batch["input_ids"].shape[0], generator=generator)
+    return [{k: v[order[i : i + size]] for k, v in batch.items()} for i in range(0, len(order), size)]
+
+
 def _ttt_cross_entropy(log_qs: list[Tensor], labels: Tensor, masks: Tensor, decay: float) -> Tensor:
     step_losses = [
         losses.masked_mean(values=-log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
@@ -206,7 +225,11 @@ class OGDStrategy:
     """Online gradient descent: `steps_per_round` AdamW steps on each round's loss.
 
     ``buffer_rounds`` > 1 trains each step on the mean loss of the last that many rounds (a
-    replay buffer: a round of a few requests is a noisy sample of its domain). The reported
+    replay buffer: a round of a few requests is a noisy sample of its domain). By default each
+    round is trained with the reference recipe (OnlineSPEC's pipelines): ``epochs`` passes over
+    the round's (buffer's) sequences in shuffled minibatches of ``minibatch`` sequences, one
+    optimizer step each, the optimizer's state kept across rounds; ``epochs: 0`` gives the
+    earlier rule instead, ``steps_per_round`` full-batch steps. The reported
     ``online_loss`` is the loss of the model that SERVED the round on that round (before the
     update), the quantity dynamic regret is measured on.
     """
@@ -223,9 +246,16 @@ class OGDStrategy:
         grad_clip: float = 0.5,
         buffer_rounds: int = 1,
         betas: tuple[float, float] = (0.9, 0.95),
+        epochs: int = 2,
+        minibatch: int = 4,
+        seed: int = 0,
     ) -> None:
         if lr <= 0 or steps_per_round < 1 or buffer_rounds < 1:
             raise ValueError(f"{self.name} needs lr > 0, steps_per_round >= 1, buffer_rounds >= 1")
+        if epochs < 0 or minibatch < 1:
+            raise ValueError(f"{self.name} needs epochs >= 0 and minibatch >= 1")
+        self.epochs, self.minibatch = int(epochs), int(minibatch)
+        self._shuffle = torch.Generator().manual_seed(int(seed))
         self.drafter = copy.deepcopy(drafter).float()
         self.steps_per_round = int(steps_per_round)
         self.ttt_steps = int(ttt_steps)
@@ -246,6 +276,9 @@ class OGDStrategy:
             self.buffer = (self.buffer + [batch])[-self.buffer_rounds :]
         if not self.buffer:
             return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
+        miss = draft_vocab_miss(self.drafter, batch) if batch is not None else float("nan")
+        if self.epochs > 0:
+            return self._epochs(batch, tic, miss)
         self.drafter.train()
         served_loss = float("nan")
         labels = 0
@@ -268,16 +301,49 @@ class OGDStrategy:
             "update_seconds": time.perf_counter() - tic,
             "labels": float(labels),
             "buffer_rounds": float(len(self.buffer)),
+            "draft_vocab_miss": miss,
+        }
+
+    def _epochs(self, batch: dict[str, Tensor] | None, tic: float, miss: float) -> dict[str, float]:
+        """The reference recipe: minibatch epochs over the buffered rounds' sequences."""
+        served_loss, labels = float("nan"), 0
+        if batch is not None:
+            with torch.no_grad():
+                loss, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
+            served_loss = float(loss)
+        self.drafter.train()
+        steps = 0
+        for _ in range(self.epochs):
+            for held in self.buffer:
+                for part in _minibatches(held, self.minibatch, self._shuffle):
+                    loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps)
+                    if count == 0 or not torch.isfinite(loss):
+                        continue  # no label here, or a non-finite part: it changes nothing
+                    self.optimizer.zero_grad()
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
+                    self.optimizer.step()
+                    steps += 1
+        self.drafter.eval()
+        return {
+            "online_loss": served_loss,
+            "update_seconds": time.perf_counter() - tic,
+            "labels": float(labels),
+            "buffer_rounds": float(len(self.buffer)),
+            "optimizer_steps": float(steps),
+            "draft_vocab_miss": miss,
         }
 
     def state_dict(self) -> dict[str, Any]:
         return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "buffer": self.buffer}  # fmt: skip
+                "buffer": self.buffer, "shuffle": self._shuffle.get_state()}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.drafter.load_state_dict(state["drafter"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.buffer = list(state.get("buffer", []))  # checkpoints before the buffer: empty
+        if "shuffle" in state:
+            self._shuffle.set_state(state["shuffle"])
 
 
 def _trainable(drafter: Drafter) -> list[Tensor]:
@@ -375,6 +441,9 @@ class EnsembleStrategy:
         ttt_steps: int = 2,
         grad_clip: float = 0.5,
         buffer_rounds: int = 1,
+        restart: bool = False,
+        epochs: int = 2,
+        minibatch: int = 4,
     ) -> None:
         if learners < 1 or ratio <= 0 or epsilon <= 0 or temperature <= 0:
             raise ValueError("ensemble needs learners >= 1, ratio, epsilon, temperature > 0")
@@ -382,9 +451,12 @@ class EnsembleStrategy:
             raise ValueError(f"weighting must be hedge or softmax, got {weighting!r}")
         self.learners = [
             OGDStrategy(drafter, lr=lr * ratio**i, steps_per_round=steps_per_round,
-                        ttt_steps=ttt_steps, grad_clip=grad_clip, buffer_rounds=buffer_rounds)
+                        ttt_steps=ttt_steps, grad_clip=grad_clip, buffer_rounds=buffer_rounds,
+                        epochs=epochs, minibatch=minibatch, seed=i)
             for i in range(learners)
         ]  # fmt: skip
+        # `pipeline_hedge`: every learner restarts from the weighted average each round
+        self.restart = bool(restart)
         self.rates = [lr * ratio**i for i in range(learners)]
         self.epsilon, self.weighting, self.temperature = float(epsilon), weighting, temperature
         self.cumulative = torch.zeros(learners, dtype=torch.float64)
@@ -425,6 +497,11 @@ class EnsembleStrategy:
         self.cumulative += losses_now
         self.last = losses_now
         self._average()
+        if self.restart:
+            with torch.no_grad():
+                for learner in self.learners:
+                    for mine, mean in zip(_trainable(learner.drafter), _trainable(self.drafter), strict=True):
+                        mine.copy_(mean)
         metrics = {"online_loss": float(served), "update_seconds": time.perf_counter() - tic,
                    "labels": float(labels)}  # fmt: skip
         for index, weight in enumerate(self.weights().tolist()):
@@ -446,9 +523,12 @@ class EnsembleStrategy:
         self._average()
 
 
-def rejection_slots(generation: Generation) -> list[tuple[int, int]]:
+def rejection_slots(generation: Generation, *, first_only: bool = False) -> list[tuple[int, int]]:
     """(position, rejected draft token) of every tried-and-rejected draft of `generation`
-    (positions index prompt + tokens; see the module docstring)."""
+    (positions index prompt + tokens; see the module docstring). `first_only`: one slot per
+    verification step, the position right after the accepted path (OSD's "wrong position":
+    where the committed correction token differs from what was drafted), however many tree
+    siblings were rejected there."""
     out = []
     length = len(generation.prompt) + len(generation.tokens)
     for record in generation.records:
@@ -456,6 +536,10 @@ def rejection_slots(generation: Generation) -> list[tuple[int, int]]:
             continue
         depth = record.tree.depth[record.rejected].tolist()
         tokens = record.tree.tokens[record.rejected].tolist()
+        if first_only:
+            first = len(record.accepted) + 1  # the depth of the first rejection
+            pairs = [(k, t) for k, t in zip(depth, tokens, strict=True) if k == first][:1]
+            depth, tokens = [k for k, _ in pairs], [t for _, t in pairs]
         for k, token in zip(depth, tokens, strict=True):
             position = int(record.anchor) + int(k)
             if position < length:
@@ -463,7 +547,9 @@ def rejection_slots(generation: Generation) -> list[tuple[int, int]]:
     return out
 
 
-def _rejection_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | None:
+def _rejection_batch(
+    generations: Sequence[Generation], *, first_only: bool = False
+) -> dict[str, Tensor] | None:
     """`feedback_batch` whose loss mask holds only the positions of rejected drafts."""
     kept = [g for g in generations if g.features is not None and len(g.tokens) >= 2]
     batch = feedback_batch(kept)
@@ -471,7 +557,7 @@ def _rejection_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | N
         return None
     mask = torch.zeros_like(batch["loss_mask"])
     for row, generation in enumerate(kept):
-        for position, _ in rejection_slots(generation):
+        for position, _ in rejection_slots(generation, first_only=first_only):
             mask[row, position] = 1
     if not bool(mask.any()):
         return None
@@ -481,7 +567,8 @@ def _rejection_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | N
 
 class OSDStrategy(OGDStrategy):
     """OSD: distillation at rejected positions from a buffer of recent rounds (OGD whose round
-    batch keeps only the positions of rejected drafts)."""
+    batch keeps only the positions of rejected drafts). ``first_rejected`` (OSD's own rule) keeps
+    one position per verification step, the first wrong one, not every rejected tree sibling."""
 
     name = "osd"
 
@@ -494,12 +581,17 @@ class OSDStrategy(OGDStrategy):
         steps_per_round: int = 2,
         ttt_steps: int = 1,
         grad_clip: float = 0.5,
+        first_rejected: bool = True,
+        epochs: int = 0,
+        minibatch: int = 4,
     ) -> None:
         super().__init__(drafter, lr=lr, steps_per_round=steps_per_round, ttt_steps=ttt_steps,
-                         grad_clip=grad_clip, buffer_rounds=buffer_rounds)  # fmt: skip
+                         grad_clip=grad_clip, buffer_rounds=buffer_rounds, epochs=epochs,
+                         minibatch=minibatch)  # fmt: skip
+        self.first_rejected = bool(first_rejected)
 
     def round_batch(self, generations: Sequence[Generation]) -> dict[str, Tensor] | None:
-        return _rejection_batch(generations)
+        return _rejection_batch(generations, first_only=self.first_rejected)
 
 
 def _pair_logprobs(

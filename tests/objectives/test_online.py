@@ -322,3 +322,38 @@ def test_a_replayed_stream_equals_the_live_one(
     assert stream_continuations(target, requests, max_new_tokens=10, cache=cache, progress=False) == answers
     with pytest.raises(ValueError, match="another target or length"):
         stream_continuations(target, requests, max_new_tokens=11, cache=cache, progress=False)
+
+
+def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None:
+    """Minibatch epochs (the default), OSD at the first rejected position only, the ensemble's
+    learners restarted from the average, and the share of served tokens no draft can cover."""
+    from lightning_spec.objectives.online import draft_vocab_miss, rejection_slots
+
+    drafter = HELPERS._drafter(target)  # a 48-token draft vocabulary of 128
+    generations = [_round(target, drafter, 3)[i] for i in range(3)]
+    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+
+    full = Eagle3Drafter.from_target(target, intermediate_size=64)  # every token draftable
+    steps = make_strategy("ogd", full, lr=1e-3, epochs=3, minibatch=2).update(generations)
+    assert steps["optimizer_steps"] == 3 * 2  # 3 sequences in minibatches of 2, 3 epochs
+    assert steps["draft_vocab_miss"] == 0.0
+    metrics = make_strategy("ogd", drafter, lr=1e-3, epochs=1).update(generations)
+    batch = feedback_batch(generations)
+    served = (batch["loss_mask"] * batch["attention_mask"]).bool()
+    outside = drafter.target_to_draft_ids(batch["input_ids"]) < 0
+    expected = float((outside & served).sum()) / float(served.sum())
+    assert metrics["draft_vocab_miss"] == pytest.approx(expected) and 0 < expected < 1
+    assert draft_vocab_miss(drafter, batch) == pytest.approx(expected)
+    every = [rejection_slots(g) for g in generations]
+    first = [rejection_slots(g, first_only=True) for g in generations]
+    for generation, slots in zip(generations, first, strict=True):
+        tried = [r for r in generation.records if r.rejected.numel()]
+        assert len(slots) <= len(tried)
+        for record, (position, _) in zip(tried, slots, strict=False):
+            assert position == record.anchor + len(record.accepted) + 1
+    assert sum(map(len, first)) < sum(map(len, every))  # tree siblings no longer count
+    ensemble = make_strategy("ensemble", drafter, lr=1e-3, learners=2, restart=True, epochs=1)
+    ensemble.update(generations)
+    for learner in ensemble.learners:
+        for mine, mean in zip(learner.drafter.parameters(), ensemble.drafter.parameters(), strict=True):
+            assert torch.equal(mine, mean)
