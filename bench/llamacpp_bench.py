@@ -26,11 +26,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_spec.bench.llamacpp import NGRAM_TYPES, mode_args, run_modes, summarize
+from lightning_spec.bench.llamacpp import (
+    NGRAM_TYPES,
+    mode_args,
+    pick_chain,
+    run_modes,
+    summarize,
+    verifications,
+)
 from lightning_spec.data.assets import cache_root
 from lightning_spec.export.gguf_package import export_gguf_package
 from lightning_spec.export.llamacpp import ensure_llamacpp
 from lightning_spec.io import atomic_write_json, sha256_file
+
+AUTO_DEPTH = 6  # --n-max auto: our per-depth acceptance from chain:6, picks within 1 .. 6
 
 
 def _csv(text: str) -> list[str]:
@@ -55,7 +64,7 @@ def ours_tau(drafter_dir: Path, target: str, prompts: list[list[int]], n_max: in
     """Our decoder, same drafter and prompt ids, chain:K at T = 0: pooled tau and alpha."""
     from lightning_spec.decoding.build import parse_tree_spec
     from lightning_spec.decoding.engine import SpeculativeDecoder
-    from lightning_spec.metrics import tau_from_records
+    from lightning_spec.metrics import alpha_from_records, tau_from_records
     from lightning_spec.models.drafters.base import load_drafter
     from lightning_spec.models.target import load_target
 
@@ -71,6 +80,7 @@ def ours_tau(drafter_dir: Path, target: str, prompts: list[list[int]], n_max: in
     accepted = sum(len(r.accepted) for r in records)
     return {
         "tau": tau_from_records(records),
+        "alphas": alpha_from_records(records),
         "acceptance": accepted / drafted if drafted else None,
         "verifications": len(records),
         "tokens": tokens,
@@ -85,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", default="mtbench,humaneval")
     parser.add_argument("--limit", type=int, default=40, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--n-max", default="4", help="chain lengths (comma list)")
+    parser.add_argument(
+        "--n-max", default="4",
+        help="chain lengths (comma list), or auto: the pick of llama.cpp's cost curve x our "
+        "per-depth acceptance (needs --ours), measured with its neighbours",
+    )
     parser.add_argument("--p-min", type=float, default=0.0)
     parser.add_argument(
         "--modes", default="plain,eagle3,self," + ",".join(NGRAM_TYPES[:3]),
@@ -111,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         name, items = load_prompts(spec, tokenizer, limit=args.limit)
         prompts += [list(ids) for ids, _ in items]
         origin += [name] * len(items)
-    n_maxes = [int(k) for k in _csv(args.n_max)]
+    auto = args.n_max == "auto"
+    if auto and not args.ours:
+        parser.error("--n-max auto needs --ours (our decoder's per-depth acceptance)")
+    n_maxes = [AUTO_DEPTH] if auto else [int(k) for k in _csv(args.n_max)]
     report: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
         "drafter": str(args.drafter), "drafter_sha256": drafter_sha,
@@ -129,15 +146,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[ours] chain:{k} tau {ours['tau']:.3f}", flush=True)
     for ttype in _csv(args.target_types):
         package = export_gguf_package(
-            args.drafter, workdir, target=target, with_target=ttype, outtype="f32"
+            args.drafter, workdir, target=target, with_target=ttype, outtype="f32",
+            reuse_target=True,
         )
         target_gguf = workdir / package["files"]["target"]["path"]
         drafter_gguf = workdir / package["files"]["drafter"]["path"]
         curve = cost_curve(built.binary("llama-bench"), target_gguf, list(range(1, max(n_maxes) + 2)), args.threads)
+        chains = n_maxes
+        pick = None
+        if auto:
+            alphas = report["ours"][f"chain:{AUTO_DEPTH}"]["alphas"]
+            # before measuring: a drafted token costs what its share of the weights' bytes does
+            estimate = curve[1] * drafter_gguf.stat().st_size / target_gguf.stat().st_size
+            pick = pick_chain(alphas, curve, estimate, max_k=AUTO_DEPTH)
+            best = int(pick["n_max"])
+            chains = sorted({k for k in (best - 1, best, best + 1) if 1 <= k <= AUTO_DEPTH})
         modes = []
         for name in _csv(args.modes):
             if name in ("eagle3", "self"):
-                modes += [mode_args(name, drafter_gguf=drafter_gguf, target_gguf=target_gguf, n_max=k, p_min=args.p_min) for k in n_maxes]
+                modes += [mode_args(name, drafter_gguf=drafter_gguf, target_gguf=target_gguf, n_max=k, p_min=args.p_min) for k in chains]
             else:
                 modes.append(mode_args(name))
         log_dir = args.output.parent / f"{args.output.stem}-logs-{ttype}"
@@ -158,7 +185,22 @@ def main(argv: list[str] | None = None) -> int:
             k = int(name.split("@")[1]) if "@" in name else None
             if k is not None and row.get("tau"):
                 row["ceiling"] = row["tau"] * curve[1] / curve[k + 1]
+        if pick is not None:
+            # the drafter's measured cost per drafted token: decode time not spent verifying
+            measured = []
+            for k in chains:
+                row = rows[f"eagle3@{k}"]
+                items = results[f"eagle3@{k}"]
+                verify = sum(verifications(r) for r in items) * curve[k + 1]
+                if row["drafted"]:
+                    measured.append(max(sum(r.seconds for r in items) - verify, 0.0) / row["drafted"])
+            pick["measured_draft_cost"] = sum(measured) / len(measured) if measured else None
+            if pick["measured_draft_cost"] is not None:
+                again = pick_chain(alphas, curve, pick["measured_draft_cost"], max_k=AUTO_DEPTH)
+                pick["n_max_with_measured_cost"] = again["n_max"]
+                pick["predicted_speedup_with_measured_cost"] = again["predicted_speedup"]
         report["per_type"][ttype] = {
+            "chain_pick": pick,
             "target_gguf_sha256": package["files"]["target"]["sha256"],
             "drafter_gguf_sha256": package["files"]["drafter"]["sha256"],
             "cost_seconds": {str(b): s for b, s in curve.items()},

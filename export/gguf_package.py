@@ -77,9 +77,11 @@ def export_gguf_package(
     target_gguf: str | Path | None = None,
     with_target: str | None = None,
     outtype: str = "f32",
+    reuse_target: bool = False,
 ) -> dict[str, Any]:
     """Write the drafter GGUF (and the target's, when `with_target` names a type) into
-    `output`; return the manifest (also written as ``manifest.json``)."""
+    `output`; return the manifest (also written as ``manifest.json``). `reuse_target` keeps a
+    target file already there (a bench exporting into its cache folder again)."""
     drafter, output = Path(drafter), Path(output)
     if not (drafter / "config.json").is_file():
         raise GgufExportError(f"{drafter} is not a drafter folder (config.json is missing)")
@@ -89,7 +91,8 @@ def export_gguf_package(
     if with_target is not None:
         if target is None:
             raise GgufExportError("--with-target needs --target (the drafter names none)")
-        files["target"] = _target_file(target, with_target, output / f"target-{with_target}.gguf")
+        path = output / f"target-{with_target}.gguf"
+        files["target"] = path if reuse_target and path.is_file() else _target_file(target, with_target, path)
     if target_gguf is not None:
         source = Path(target_gguf)
     elif "target" in files:

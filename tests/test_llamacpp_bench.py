@@ -49,3 +49,15 @@ def test_summary_speedup_tau_and_mismatches() -> None:
     assert rows["eagle3@3"]["mismatches_vs_self"] == 1
     assert rows["self@3"]["mismatches_vs_plain"] == 0
     assert "speedup" not in rows["plain"]
+
+
+def test_chain_pick_from_the_cost_curve() -> None:
+    from lightning_spec.bench.llamacpp import expected_tau, pick_chain
+
+    assert expected_tau([0.5, 0.5, None], 3) == pytest.approx(1 + 0.5 + 0.25)
+    cost = {1: 1.0, 2: 1.1, 3: 1.2, 4: 2.0, 5: 2.1}  # a jump after 3 tokens
+    pick = pick_chain([0.8, 0.8, 0.8, 0.8], cost, draft_cost=0.05)
+    # K=2: (1 + .8 + .64) / (1.2 + .1) = 1.877; K=3: 2.952 / 2.15 = 1.373; K=1: 1.8 / 1.15
+    assert pick["n_max"] == 2
+    assert pick["predicted_speedup"][2] == pytest.approx(2.44 / 1.3)
+    assert pick_chain([0.1, 0.1], {1: 1.0, 2: 1.5, 3: 1.6}, draft_cost=0.0)["n_max"] == 1  # below 1x either way

@@ -39,6 +39,7 @@ __all__ = [
     "Mode",
     "PromptResult",
     "mode_args",
+    "pick_chain",
     "run_modes",
     "summarize",
     "verifications",
@@ -286,3 +287,36 @@ def summarize(
             row[f"mismatch_prompts_vs_{label}"] = [i for i, d in enumerate(diffs) if d is not None]
         rows[name] = row
     return rows
+
+
+def expected_tau(alphas: Sequence[float | None], k: int) -> float:
+    """E[tau] of a chain of `k` drafts with per-depth acceptance alpha_j (j = 1 .. k):
+    1 + sum_j prod_{i <= j} alpha_i; depths never measured count as 0."""
+    tau, survive = 1.0, 1.0
+    for alpha in list(alphas)[:k]:
+        survive *= float(alpha or 0.0)
+        tau += survive
+    return tau
+
+
+def pick_chain(
+    alphas: Sequence[float | None],
+    cost: dict[int, float],
+    draft_cost: float,
+    *,
+    max_k: int | None = None,
+) -> dict[str, Any]:
+    """The chain length `--tree auto` would pick for llama.cpp: argmax over K of
+    E[tau(K)] / (t(K + 1) + K * draft_cost), with t(b) llama.cpp's measured cost of a target
+    forward of b tokens (``llama-bench``), `draft_cost` the seconds per drafted token and
+    alpha_j our decoder's per-depth acceptance of the same drafter (a long chain's records).
+    Returns the pick and the predicted speedup over plain decoding (t(1) per token) per K."""
+    limit = min(max_k or len(alphas), len(alphas), max(cost) - 1)
+    if limit < 1 or 1 not in cost:
+        raise ValueError("need alpha_1 and the cost of 1 and 2 tokens at least")
+    table = {}
+    for k in range(1, limit + 1):
+        step = cost[k + 1] + k * draft_cost
+        table[k] = expected_tau(alphas, k) * cost[1] / step
+    best = max(table, key=table.get)
+    return {"n_max": best, "predicted_speedup": table, "draft_cost": draft_cost}
