@@ -291,17 +291,27 @@ class OGDStrategy:
                     served_loss, labels = float(loss.detach()), count
             if not torch.isfinite(total):
                 break  # a non-finite round changes nothing (logged by the caller as NaN)
-            self.optimizer.zero_grad()
-            total.backward()
-            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
-            self.optimizer.step()
+            self._apply(total)
         self.drafter.eval()
+        return self._report(served_loss, labels, tic, miss)
+
+    def _apply(self, loss: Tensor) -> None:
+        """One optimizer step on `loss`, its gradient clipped."""
+        self.optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
+        self.optimizer.step()
+
+    def _report(
+        self, served_loss: float, labels: int, tic: float, miss: float, **extra: float
+    ) -> dict[str, float]:
         return {
             "online_loss": served_loss,
             "update_seconds": time.perf_counter() - tic,
             "labels": float(labels),
             "buffer_rounds": float(len(self.buffer)),
             "draft_vocab_miss": miss,
+            **extra,
         }
 
     def _epochs(self, batch: dict[str, Tensor] | None, tic: float, miss: float) -> dict[str, float]:
@@ -319,20 +329,10 @@ class OGDStrategy:
                     loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps)
                     if count == 0 or not torch.isfinite(loss):
                         continue  # no label here, or a non-finite part: it changes nothing
-                    self.optimizer.zero_grad()
-                    loss.backward()
-                    torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
-                    self.optimizer.step()
+                    self._apply(loss)
                     steps += 1
         self.drafter.eval()
-        return {
-            "online_loss": served_loss,
-            "update_seconds": time.perf_counter() - tic,
-            "labels": float(labels),
-            "buffer_rounds": float(len(self.buffer)),
-            "optimizer_steps": float(steps),
-            "draft_vocab_miss": miss,
-        }
+        return self._report(served_loss, labels, tic, miss, optimizer_steps=float(steps))
 
     def state_dict(self) -> dict[str, Any]:
         return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
