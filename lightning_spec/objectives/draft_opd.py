@@ -74,6 +74,7 @@ class ReplayBlocks:
     rejected_depth: Tensor
     rejected_tokens: Tensor
     rejected_mask: Tensor
+    corrections: Tensor | None = None  # [S] the committed token after the chain (-1: none)
 
 
 def replay_blocks(
@@ -114,7 +115,9 @@ def replay_blocks(
     # a rejected draft sits at block slot k <= n + 1 (a sibling of the accepted path or a child
     # of its last node); slots beyond the clipped chain cannot be replayed
     mask = mask & (depth >= 1) & (depth <= lengths.unsqueeze(1) + 1)
-    return ReplayBlocks(anchors, chains, lengths, depth, tokens, mask)
+    after = anchors + lengths + 1  # the target's correction token (or the bonus) of each block
+    corrections = torch.where(after < length, ids[after.clamp(max=length - 1)], torch.full_like(after, -1))
+    return ReplayBlocks(anchors, chains, lengths, depth, tokens, mask, corrections)
 
 
 class DraftOPD(EagleSFT):
@@ -133,6 +136,8 @@ class DraftOPD(EagleSFT):
         kl: str = "exact",
         vocabulary: str = "draft",
         anchors: str = "errors",
+        correction: bool = True,
+        normalization: str = "pooled",
         lambda_sft: float = 0.0,
         k3_clamp: float = 10.0,
         score_max_tokens: int = 512,
@@ -164,6 +169,13 @@ class DraftOPD(EagleSFT):
                 renormalised, EAGLE-3's label) or "full" (the target's full-vocabulary
                 probabilities of the draft ids; off-vocabulary mass left out as a constant).
             anchors: "errors" (the rollout's own blocks) or "random" (the ablation).
+            correction: Put the block's correction token (the committed token after the
+                accepted drafts, slot n + 1) in the forward-KL stream, as the reference does;
+                False = the earlier form (accepted drafts only; the slot then gets the reverse
+                terms of its rejected drafts alone).
+            normalization: "pooled" (the reference: one weighted mean over both streams,
+                (sum acc + sum w_k rej) / (N_acc + sum w_k)) or "per_stream" (the mean of the
+                two stream means, the earlier form; `losses.draft_opd_loss`).
             lambda_sft: Weight of the EAGLE-3 token loss on dataset rows (the batch's ``sft``
                 rows, `RolloutDataModule(rollout_sft_mix=True)`) added to the Draft-OPD loss:
                 where rollouts are expensive (CPU) they are few, and the token loss on the
@@ -219,6 +231,7 @@ class DraftOPD(EagleSFT):
             rejected_mask=torch.zeros(1),
             lambda_accepted=lambda_accepted,
             lambda_rejected=lambda_rejected,
+            normalization=normalization,
         )
         self._generator = torch.Generator().manual_seed(int(seed))
         # random anchors move every visit: nothing would ever be served from the cache
@@ -287,6 +300,7 @@ class DraftOPD(EagleSFT):
             gamma=float(hp.gamma),
             lambda_accepted=float(hp.lambda_accepted),
             lambda_rejected=float(hp.lambda_rejected),
+            normalization=str(hp.normalization),
         )
         return {
             "loss": zero + loss,
@@ -371,6 +385,10 @@ class DraftOPD(EagleSFT):
         slots = torch.arange(draft_rows.shape[1], device=device).unsqueeze(0)  # [1, W + 1]
         lengths = blocks.lengths.to(device).unsqueeze(1)
         accepted_mask = slots < lengths  # slot j holds block position j + 1
+        corrections = blocks.corrections
+        if hp.correction and corrections is not None:  # slot n: the target's correction token
+            has = (corrections.to(device) >= 0).unsqueeze(1)
+            accepted_mask = accepted_mask | ((slots == lengths) & has)
         # one reverse term per slot where something was rejected (exact) or per rejected token
         rejected_depth = blocks.rejected_depth.to(device)
         rejected_mask = blocks.rejected_mask.to(device)
@@ -390,10 +408,17 @@ class DraftOPD(EagleSFT):
                 "rejected_depth": (slots.expand_as(slot_rejected) + 1)[slot_rejected],
                 "rejected_mask": torch.ones(int(slot_rejected.sum()), device=device),
             }
-        # per-token estimators
-        draft_ids = self.drafter.target_to_draft_ids(blocks.chains.to(device)).clamp_min(0)
-        picked_q = draft_rows[:, :-1].gather(2, draft_ids.unsqueeze(-1)).squeeze(-1)
-        picked_p = target_rows[:, :-1].gather(2, draft_ids.unsqueeze(-1)).squeeze(-1)
+        # per-token estimators: the realised token of slot j is the chain's token j + 1, and at
+        # slot n the correction token
+        realised = torch.cat([blocks.chains.to(device), torch.zeros_like(lengths)], dim=1)
+        if corrections is not None:
+            at_n = slots.expand_as(realised) == lengths
+            realised = torch.where(at_n, corrections.to(device).clamp_min(0).unsqueeze(1), realised)
+        draft_ids = self.drafter.target_to_draft_ids(realised)
+        accepted_mask = accepted_mask & (draft_ids >= 0)  # a token the drafter cannot emit
+        draft_ids = draft_ids.clamp_min(0)
+        picked_q = draft_rows.gather(2, draft_ids.unsqueeze(-1)).squeeze(-1)
+        picked_p = target_rows.gather(2, draft_ids.unsqueeze(-1)).squeeze(-1)
         forward = losses.bernoulli_forward_kl(target_logprob=picked_p, draft_logprob=picked_q)
         rejected_ids = self.drafter.target_to_draft_ids(
             blocks.rejected_tokens.to(device).clamp_min(0)
@@ -408,7 +433,7 @@ class DraftOPD(EagleSFT):
             draft_logprob=q_rows.gather(2, ids_).squeeze(-1),
             clamp=float(hp.k3_clamp),
         )
-        valid = accepted_mask[:, :-1]
+        valid = accepted_mask
         return {
             "accepted_kl": forward[valid],
             "accepted_mask": torch.ones(int(valid.sum()), device=device),

@@ -291,19 +291,37 @@ def draft_opd_loss(
     gamma: float = 0.8,
     lambda_accepted: float = 1.0,
     lambda_rejected: float = 1.0,
+    normalization: str = "per_stream",
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(L, L_acc, L_rej) with L = (l_a L_acc + l_r L_rej) / (l_a + l_r).
+    """(L, L_acc, L_rej).
 
-    L_acc = masked mean of the per-token forward KL over accepted tokens [...]; L_rej = masked
-    mean of w_k * reverse KL over rejected tokens [...] at block positions `rejected_depth`.
-    A stream without tokens contributes 0 (`masked_mean`). Lambdas of 0 give the all-forward /
-    all-reverse ablations.
+    ``per_stream``: L = (l_a L_acc + l_r L_rej) / (l_a + l_r) with L_acc the masked mean of the
+    per-token forward KL over accepted tokens [...] and L_rej the masked mean of w_k * reverse
+    KL over rejected tokens [...] (block positions `rejected_depth`, w_k = gamma^(k-1)).
+    ``pooled`` (the reference code): every term in one weighted mean,
+    L = (l_a sum_acc KL + l_r sum_rej w_k KL) / (l_a N_acc + l_r sum_rej w_k), so a block with
+    many rejected slots weighs by its slots, not as much as all accepted tokens together.
+    L_acc is the accepted stream's mean either way; L_rej its w-weighted mean when pooled (so
+    L = (l_a N_acc L_acc + l_r sum w L_rej) / (l_a N_acc + l_r sum w)). A stream without tokens
+    contributes 0. Lambdas of 0 give the all-forward / all-reverse ablations.
     """
     if lambda_accepted < 0 or lambda_rejected < 0 or lambda_accepted + lambda_rejected <= 0:
         raise ValueError("lambdas must be >= 0 and not both 0")
+    if normalization not in ("per_stream", "pooled"):
+        raise ValueError(f"normalization must be per_stream or pooled, got {normalization!r}")
     accepted = masked_mean(values=accepted_kl, mask=accepted_mask)
     weights = block_position_weights(depth=rejected_depth, gamma=gamma).to(rejected_kl.device)
     rejected = masked_mean(values=weights * rejected_kl, mask=rejected_mask)
+    if normalization == "pooled":
+        acc_mask, rej_mask = accepted_mask.float(), rejected_mask.float() * weights
+        numerator = lambda_accepted * (accepted_kl.float() * acc_mask).sum() + lambda_rejected * (
+            rejected_kl.float() * rej_mask
+        ).sum()
+        denominator = lambda_accepted * acc_mask.sum() + lambda_rejected * rej_mask.sum()
+        total = numerator / denominator.clamp_min(1e-12)
+        # the rejected stream's own weighted mean, so total = (N_acc L_acc + sum w L_rej) / (...)
+        rejected = (rejected_kl.float() * rej_mask).sum() / rej_mask.sum().clamp_min(1e-12)
+        return total, accepted, rejected
     total = (lambda_accepted * accepted + lambda_rejected * rejected) / (
         lambda_accepted + lambda_rejected
     )

@@ -238,3 +238,37 @@ def test_lambda_sft_adds_the_token_loss_on_dataset_rows(
     assert float(trainer.logged_metrics["train/loss"]) == pytest.approx(expected, rel=1e-4)
     with pytest.raises(ValueError, match="lambda_sft"):
         _module(target, trained_state, lambda_sft=-1.0)
+
+
+@pytest.mark.parametrize("kl", ["exact", "estimator"])
+def test_the_correction_token_joins_the_forward_stream(
+    target: TargetModel, trained_state: dict, kl: str
+) -> None:
+    """With `correction` every block whose text goes on adds one forward term: the committed
+    token after its accepted drafts (slot n + 1), read off the target's row at anchor + n; and
+    the pooled loss is the one weighted mean over both streams."""
+    module = _module(target, trained_state, kl=kl)
+    batch, _ = _rollout_batch(module)
+    blocks = [_blocks(batch, row) for row in range(batch["input_ids"].shape[0])]
+    ids = batch["input_ids"]
+    corrections = [
+        (blocks[row].corrections >= 0) & (module.drafter.target_to_draft_ids(blocks[row].corrections.clamp_min(0)) >= 0)
+        for row in range(len(blocks)) if blocks[row] is not None
+    ]
+    assert all(
+        int(ids[row, int(a) + int(n) + 1]) == int(c)
+        for row, b in enumerate(blocks) if b is not None
+        for a, n, c in zip(b.anchors, b.lengths, b.corrections, strict=True) if int(c) >= 0
+    )
+    with_correction = module.opd_loss(batch)
+    without = _module(target, trained_state, kl=kl, correction=False).opd_loss(batch)
+    added = sum(int(c.sum()) for c in corrections) if kl == "estimator" else sum(
+        int((b.corrections >= 0).sum()) for b in blocks if b is not None
+    )
+    # the estimator needs the token in the draft vocabulary (this head's 48 ids rarely hold the
+    # target's corrections); the exact KL trains the slot's whole row either way
+    assert added > 0 or kl == "estimator"
+    assert with_correction["accepted"] == without["accepted"] + added
+    assert with_correction["rejected"] == without["rejected"]
+    n_acc, n_rej = with_correction["accepted"], with_correction["rejected"]
+    assert n_acc > 0 and n_rej > 0

@@ -140,3 +140,30 @@ def test_k3_clamp_bounds_a_token_the_target_excludes() -> None:
         target_logprob=torch.tensor(-80.0), draft_logprob=torch.tensor(-0.1), clamp=10.0
     )
     assert float(bounded) == pytest.approx(math.exp(-10.0) + 10.0 - 1.0)
+
+
+def test_pooled_normalisation_weighs_every_term_once() -> None:
+    """The reference's (sum_acc KL + sum_rej w KL) / (N_acc + sum_rej w) on hand-made terms."""
+    total, acc, rej = losses.draft_opd_loss(
+        accepted_kl=torch.tensor([0.2, 0.4, 9.0]),
+        accepted_mask=torch.tensor([1, 1, 0]),
+        rejected_kl=torch.tensor([1.0, 2.0, 7.0]),
+        rejected_depth=torch.tensor([1, 3, 2]),
+        rejected_mask=torch.tensor([1, 1, 0]),
+        gamma=0.5,
+        normalization="pooled",
+    )
+    assert float(total) == pytest.approx((0.2 + 0.4 + 1.0 * 1.0 + 0.25 * 2.0) / (2 + 1.0 + 0.25))
+    assert float(acc) == pytest.approx(0.3)
+    assert float(rej) == pytest.approx((1.0 * 1.0 + 0.25 * 2.0) / 1.25)  # its weighted mean
+    only_forward, _, _ = losses.draft_opd_loss(
+        accepted_kl=torch.tensor([0.2, 0.4]), accepted_mask=torch.ones(2),
+        rejected_kl=torch.tensor([5.0]), rejected_depth=torch.tensor([1]),
+        rejected_mask=torch.ones(1), lambda_rejected=0.0, normalization="pooled",
+    )
+    assert float(only_forward) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="normalization"):
+        losses.draft_opd_loss(
+            accepted_kl=torch.zeros(1), accepted_mask=torch.zeros(1), rejected_kl=torch.zeros(1),
+            rejected_depth=torch.ones(1), rejected_mask=torch.zeros(1), normalization="mean",
+        )
