@@ -13,6 +13,9 @@ training sequence: tree b is rooted at R_b and sees only the cache entries befor
 several trees share one forward (chunked by `max_tokens` so memory stays bounded) and the cache
 is restored afterwards. Both paths build the same block, mask and positions, so what a training
 objective scores is exactly what verification would have computed.
+
+`text_scores` is the cheap case at T = 0: on the target's own greedy text the argmax rows of
+every tree are read off the cached teacher-forced pass (no forward), exactly where that is exact.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from lightning_spec.models.cache import cache_length, keep_cache_entries
 from lightning_spec.models.logits import tempered_log_softmax
 from lightning_spec.models.target import TargetModel
 
-__all__ = ["TreeBlock", "TreeScores", "score_trees_target", "tree_block"]
+__all__ = ["TreeBlock", "TreeScores", "score_trees_target", "text_scores", "tree_block"]
 
 OUTPUTS = frozenset({"logprobs", "argmax", "topk", "rows", "features"})
 
@@ -191,3 +194,40 @@ def _chunks(sizes: Sequence[int], max_tokens: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def text_scores(
+    trees: list[DraftTree], ids: Tensor, target_argmax: Tensor, roots: Tensor
+) -> list[TreeScores] | None:
+    """The greedy scores of trees drafted at `roots` of the text `ids`, read off the cached
+    teacher-forced pass instead of a target forward; None when that would not be exact.
+
+    `target_argmax[t]` is the target's argmax after ids[:t + 1]. A node whose path from the
+    root follows the text (its tokens are ids[R + 1 .. R + d]) has the argmax row
+    target_argmax[R + d]; any other node gets a row no token equals. That is exact for greedy
+    verification and 0/1 factors when, over the tree's depth, the text is the target's own
+    greedy text (ids[R + j + 1] == target_argmax[R + j]): then every node off the text has an
+    ancestor (or is itself) a node that is not the argmax, so its product of factors is 0
+    whatever its own row says. The argmax rows go through the decoder's own verification
+    (`verify_greedy_argmax`) exactly as scored rows would.
+    """
+    length = int(ids.shape[0])
+    out: list[TreeScores] = []
+    for tree, root in zip(trees, roots.tolist(), strict=True):
+        depth = int(tree.max_depth)
+        if root + depth >= length:
+            return None  # the text ends inside the tree's reach: not known without a forward
+        window = slice(root, root + depth)
+        if not torch.equal(target_argmax[window].to(ids.device), ids[root + 1 : root + depth + 1]):
+            return None  # not the greedy text here (a near-tie, a cut): score this sequence
+        rows = torch.full((tree.num_nodes + 1,), -1, dtype=torch.long, device=ids.device)
+        rows[0] = target_argmax[root]
+        if tree.num_nodes:
+            node_depth = tree.depth.to(ids.device)
+            on_text = tree.tokens.to(ids.device) == ids[root + node_depth]
+            # on the text only if every ancestor is too: the ancestor mask holds the node itself
+            on_path = ~(tree.ancestor_mask().to(ids.device) & ~on_text.unsqueeze(0)).any(dim=-1)
+            positions = root + node_depth
+            rows[1:] = torch.where(on_path, target_argmax[positions].to(ids.device), rows[1:])
+        out.append(TreeScores(argmax=rows))
+    return out

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from lightning_spec.decoding.build import ChainPolicy, parse_tree_spec
 from lightning_spec.decoding.lookup import require_drafter_policy
-from lightning_spec.decoding.score import TreeScores, score_trees_target
+from lightning_spec.decoding.score import TreeScores, score_trees_target, text_scores
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.decoding.verify import verify_greedy_argmax, verify_sample
 from lightning_spec.models.drafters.base import Drafter
@@ -54,7 +54,7 @@ from lightning_spec.objectives.sft import EagleSFT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GTOResult", "GroupTreeOptimization", "choose_groups", "misalignment", "text_scores"]
+__all__ = ["GTOResult", "GroupTreeOptimization", "choose_groups", "misalignment"]
 
 AGGREGATIONS = ("lse", "max", "mean")
 VALIDATION_SEED = 1_000_003
@@ -106,43 +106,6 @@ def _cached_rows(
         None if features is None else features[row : row + 1, :length],
         None if argmax is None else argmax[row, :length],
     )
-
-
-def text_scores(
-    trees: list[DraftTree], ids: Tensor, target_argmax: Tensor, roots: Tensor
-) -> list[TreeScores] | None:
-    """The greedy scores of trees drafted at `roots` of the text `ids`, read off the cached
-    teacher-forced pass instead of a target forward; None when that would not be exact.
-
-    `target_argmax[t]` is the target's argmax after ids[:t + 1]. A node whose path from the
-    root follows the text (its tokens are ids[R + 1 .. R + d]) has the argmax row
-    target_argmax[R + d]; any other node gets a row no token equals. That is exact for greedy
-    verification and 0/1 factors when, over the tree's depth, the text is the target's own
-    greedy text (ids[R + j + 1] == target_argmax[R + j]): then every node off the text has an
-    ancestor (or is itself) a node that is not the argmax, so its product of factors is 0
-    whatever its own row says. The argmax rows go through the decoder's own verification
-    (`verify_greedy_argmax`) exactly as scored rows would.
-    """
-    length = int(ids.shape[0])
-    out: list[TreeScores] = []
-    for tree, root in zip(trees, roots.tolist(), strict=True):
-        depth = int(tree.max_depth)
-        if root + depth >= length:
-            return None  # the text ends inside the tree's reach: not known without a forward
-        window = slice(root, root + depth)
-        if not torch.equal(target_argmax[window].to(ids.device), ids[root + 1 : root + depth + 1]):
-            return None  # not the greedy text here (a near-tie, a cut): score this sequence
-        rows = torch.full((tree.num_nodes + 1,), -1, dtype=torch.long, device=ids.device)
-        rows[0] = target_argmax[root]
-        if tree.num_nodes:
-            node_depth = tree.depth.to(ids.device)
-            on_text = tree.tokens.to(ids.device) == ids[root + node_depth]
-            # on the text only if every ancestor is too: the ancestor mask holds the node itself
-            on_path = ~(tree.ancestor_mask().to(ids.device) & ~on_text.unsqueeze(0)).any(dim=-1)
-            positions = root + node_depth
-            rows[1:] = torch.where(on_path, target_argmax[positions].to(ids.device), rows[1:])
-        out.append(TreeScores(argmax=rows))
-    return out
 
 
 def misalignment(

@@ -278,7 +278,7 @@ def test_cached_pass_gives_exactly_what_scoring_through_the_target_gives(
 
 
 def test_text_scores_refuse_what_is_not_greedy_text(target: TargetModel) -> None:
-    from lightning_spec.objectives.gto import text_scores
+    from lightning_spec.decoding.score import text_scores
 
     batch = _greedy_text_batch(target, rows=1)
     ids, argmax = batch["input_ids"][0], batch["target_argmax"][0]
