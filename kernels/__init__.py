@@ -59,3 +59,28 @@ def triton_unavailable_reason(device: torch.device | str = "cpu") -> str:
             "so its kernels cannot run on CPU in this process"
         )
     return ""
+
+
+def _yield_the_top_level_name() -> None:
+    """This folder installs as ``lightning_spec.kernels``, but Python run from the repository
+    root also finds it under the top-level name ``kernels``, which is Hugging Face's kernels
+    package (transformers >= 5.25 installs it and imports it when it is present): a model load
+    from the repository root then got this package and failed. Imported under that name, hand
+    the name to the installed package when there is one (else nothing else claims it)."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # what `import kernels` returns once this file has run
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _yield_the_top_level_name()

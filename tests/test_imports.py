@@ -113,3 +113,17 @@ def test_regular_install_maps_packages(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith(str(target))
+
+
+def test_the_top_level_kernels_name_goes_to_an_installed_kernels_package(tmp_path: Path) -> None:
+    """From the repository root, `import kernels` must not hand transformers our Triton folder
+    when Hugging Face's kernels package is installed (transformers >= 5.25 imports it)."""
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("CUDAProperties = 'installed'\n")
+    code = "import kernels; print(getattr(kernels, 'CUDAProperties', 'ours'))"
+    installed = subprocess.run(
+        [sys.executable, "-c", f"import sys; sys.path.append({str(tmp_path / 'site')!r}); {code}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert installed.stdout.strip() == "installed", installed.stderr
