@@ -123,7 +123,7 @@ def test_the_top_level_kernels_name_goes_to_an_installed_kernels_package(tmp_pat
     (other / "__init__.py").write_text("CUDAProperties = 'installed'\n")
     code = "import kernels; print(getattr(kernels, 'CUDAProperties', 'ours'))"
     installed = subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.append({str(tmp_path / 'site')!r}); {code}"],
+        [sys.executable, "-c", f"import sys; sys.path.insert(1, {str(tmp_path / 'site')!r}); {code}"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert installed.stdout.strip() == "installed", installed.stderr
