@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_spec.bench.runner import first_difference
 from lightning_spec.stats import speedup_summary, tau_summary
 
 __all__ = [
@@ -238,13 +239,6 @@ def run_modes(
     return results
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def summarize(
     results: dict[str, list[PromptResult]],
     *,
@@ -280,7 +274,7 @@ def summarize(
             if other is None or other == name or other not in results:
                 continue
             diffs = [
-                _first_difference(a.tokens, b.tokens)
+                first_difference(a.tokens, b.tokens)
                 for a, b in zip(items, results[other], strict=True)
             ]
             row[f"mismatches_vs_{label}"] = sum(d is not None for d in diffs)

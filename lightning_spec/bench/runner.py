@@ -55,6 +55,7 @@ __all__ = [
     "METHODS",
     "MethodResult",
     "default_methods",
+    "first_difference",
     "mismatch_detail",
     "run_bench",
 ]
@@ -274,7 +275,9 @@ class _Runner:
         return MethodResult(tokens, seconds, forwards=counter.count, first_token_seconds=first)
 
 
-def _first_difference(reference: Sequence[int], output: Sequence[int]) -> int | None:
+def first_difference(reference: Sequence[int], output: Sequence[int]) -> int | None:
+    """The first position where two token sequences differ (a length difference counts);
+    None when they are equal."""
     for position, (a, b) in enumerate(zip(reference, output, strict=False)):
         if a != b:
             return position
@@ -293,7 +296,7 @@ def mismatch_detail(
     reference prefix; a gap near zero means the two decoders rounded a near-tie differently
     (batched verification and one-token steps sum in different orders), not a logic error.
     """
-    position = _first_difference(reference, output)
+    position = first_difference(reference, output)
     if position is None:
         return None
     context = torch.tensor([prompt + list(reference[:position])], device=target.device)
