@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from lightning_spec.io import atomic_path
+from lightning_spec.models.drafters.base import drafter_type_of
 from lightning_spec.models.layer_ids import feature_layers_of
 
 __all__ = [
@@ -123,9 +124,7 @@ def _load_folder(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     if not config_path.is_file() or not weights_path.is_file():
         raise GgufExportError(f"{folder} is not a drafter folder (config.json and model.safetensors)")
     config = json.loads(config_path.read_text())
-    kind = config.get("drafter_type")
-    if kind is None and "LlamaForCausalLMEagle3" in config.get("architectures", []):
-        kind = "eagle3"
+    kind = drafter_type_of(config)
     if kind != "eagle3":
         raise GgufExportError(
             f"{folder} holds a {kind!r} drafter; llama.cpp's draft-eagle3 runs EAGLE-3 drafters "

@@ -26,11 +26,11 @@ def _embedded_default(target: str | None) -> bool:
         return False
     if target in {"smollm2", "default"}:
         return True
-    from lightning_spec.data.assets import default_target_path
+    from lightning_spec.data.assets import AssetError, default_target_path
 
     try:
         cached = default_target_path(fetch_if_missing=False)
-    except Exception:  # noqa: BLE001 (not cached: then the target is not that folder)
+    except AssetError:  # not cached: then the target is not that folder
         return False
     return Path(target).expanduser().resolve() == cached.resolve()
 

@@ -209,6 +209,15 @@ def register_drafter(cls: type[Drafter]) -> type[Drafter]:
     return cls
 
 
+def drafter_type_of(config: dict[str, Any]) -> str | None:
+    """A drafter folder config's type: its ``drafter_type``, or ``eagle3`` for an EAGLE-3
+    folder written elsewhere (SGLang/vLLM's architecture name); None when it names neither."""
+    drafter_type = config.get("drafter_type")
+    if drafter_type is None and "LlamaForCausalLMEagle3" in config.get("architectures", []):
+        drafter_type = "eagle3"
+    return drafter_type
+
+
 def load_drafter(
     folder: str | Path, *, device: str | torch.device = "cpu", target: Any = None
 ) -> Drafter:
@@ -230,9 +239,7 @@ def load_drafter(
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_path} is not valid JSON: {error}") from error
-    drafter_type = config.get("drafter_type")
-    if drafter_type is None and "LlamaForCausalLMEagle3" in config.get("architectures", []):
-        drafter_type = "eagle3"
+    drafter_type = drafter_type_of(config)
     if drafter_type not in DRAFTER_TYPES:
         raise ValueError(
             f"{config_path}: unknown drafter_type {drafter_type!r}; known: {sorted(DRAFTER_TYPES)}"
