@@ -45,12 +45,13 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from lightning_spec.decoding.replay import ReplayMismatch, TextPass, greedy_prefix
 from lightning_spec.decoding.score import score_trees_target
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.target import TargetModel
-from lightning_spec.objectives import losses
+from lightning_spec.objectives import losses, opd_suffix
 from lightning_spec.objectives.base import BatchKeyError
 from lightning_spec.objectives.sft import EagleSFT, _draft_ids
 from lightning_spec.tensor_lru import TensorLRU, tensor_key
@@ -136,6 +137,8 @@ class DraftOPD(EagleSFT):
         kl: str = "exact",
         vocabulary: str = "draft",
         anchors: str = "errors",
+        rejected_stream: str = "suffix",
+        chain: int = 0,
         correction: bool = True,
         normalization: str = "pooled",
         lambda_sft: float = 0.0,
@@ -168,7 +171,16 @@ class DraftOPD(EagleSFT):
             vocabulary: "draft" (the target distribution restricted to the draft vocabulary and
                 renormalised, EAGLE-3's label) or "full" (the target's full-vocabulary
                 probabilities of the draft ids; off-vocabulary mass left out as a constant).
-            anchors: "errors" (the rollout's own blocks) or "random" (the ablation).
+            anchors: "errors" (the rollout's own blocks) or "random" (the ablation; with
+                ``rejected_stream: tried`` only).
+            rejected_stream: "suffix" (the reference, the default): the current drafter's
+                chain is replayed on each greedy text (`opd_suffix`) and the rejected stream is
+                every drafted slot from the first rejection on, the teacher conditioned on the
+                drafter's own prefix; the batch needs only greedy texts (the regenerated store,
+                or greedy rollouts). "tried": the earlier form, the rollout's tried-and-rejected
+                nodes (parents on committed text), tree siblings included.
+            chain: Drafts per block in the suffix stream (0: a DFlash drafter's block - 1, else
+                6; the reference: DFlash blocks of 16).
             correction: Put the block's correction token (the committed token after the
                 accepted drafts, slot n + 1) in the forward-KL stream, as the reference does;
                 False = the earlier form (accepted drafts only; the slot then gets the reverse
@@ -203,6 +215,15 @@ class DraftOPD(EagleSFT):
             raise ValueError(f"vocabulary must be draft or full, got {vocabulary!r}")
         if anchors not in ("errors", "random"):
             raise ValueError(f"anchors must be errors or random, got {anchors!r}")
+        if rejected_stream not in ("suffix", "tried"):
+            raise ValueError(f"rejected_stream must be suffix or tried, got {rejected_stream!r}")
+        if rejected_stream == "suffix" and anchors == "random":
+            raise ValueError(
+                "anchors: random is the ablation of the tried-node form; set "
+                "rejected_stream: tried with it"
+            )
+        if chain < 0:
+            raise ValueError(f"chain must be >= 0 (0: the drafter's default), got {chain}")
         if not 0 < gamma <= 1:
             raise ValueError(f"gamma must be in (0, 1], got {gamma}")
         if target_cache_bytes < 0:
@@ -240,6 +261,7 @@ class DraftOPD(EagleSFT):
         )
         self._accepted_seen = 0
         self._rejected_seen = 0
+        self._not_greedy = 0  # texts (or their tails) skipped: not the target's greedy text
         if prepack_target:
             self.prepack_target()
 
@@ -252,7 +274,7 @@ class DraftOPD(EagleSFT):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         missing = STEP_BATCH_KEYS - set(batch)
-        if missing:
+        if missing and self.hparams.rejected_stream == "tried":
             raise BatchKeyError(
                 f"DraftOPD trains on rollouts: the batch lacks {sorted(missing)}; use "
                 "RolloutDataModule(mode='on_policy') with the RefreshRollouts callback"
@@ -272,6 +294,11 @@ class DraftOPD(EagleSFT):
         parts: list[dict[str, Tensor]] = []
         for row in range(input_ids.shape[0]):
             length = int(attention[row].sum()) if attention is not None else input_ids.shape[1]
+            if hp.rejected_stream == "suffix":
+                part = self._replay_suffix(batch, row, length)
+                if part is not None:
+                    parts.append(part)
+                continue
             blocks = replay_blocks(
                 input_ids[row, :length].cpu(),
                 step_mask=batch["step_mask"][row].cpu(),
@@ -310,6 +337,114 @@ class DraftOPD(EagleSFT):
             "rejected": float(joined["rejected_mask"].sum()),
             "seconds": time.perf_counter() - tic,
         }
+
+    def _replay_suffix(
+        self, batch: Mapping[str, Any], row: int, length: int
+    ) -> dict[str, Tensor] | None:
+        """The reference's terms of one greedy text (`opd_suffix`): the current drafter's chain
+        blocks, both streams over every drafted slot; None when nothing can be trained on
+        (no response, or a continuation that is not the target's greedy one)."""
+        suffix = self.suffix_rows(batch, row, length)
+        if suffix is None:
+            return None
+        blocks, teacher, draft = suffix
+        device = draft.device
+        accepted_mask, rejected_mask = (m.to(device) for m in opd_suffix.stream_masks(blocks))
+        depth = (torch.arange(draft.shape[1], device=device) + 1).expand_as(rejected_mask)
+        if self.hparams.kl == "exact":
+            forward = losses.forward_kl_rows(target_logprobs=teacher, draft_logprobs=draft)
+            reverse = losses.reverse_kl_rows(target_logprobs=teacher, draft_logprobs=draft)
+        else:
+            def picked(rows: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+                draft_ids = self.drafter.target_to_draft_ids(tokens.to(device))
+                index = draft_ids.clamp_min(0).unsqueeze(-1)
+                values = rows.gather(2, index).squeeze(-1)
+                return values, draft_ids >= 0
+            p_acc, ok_acc = picked(teacher, opd_suffix.realised_tokens(blocks))
+            q_acc, _ = picked(draft, opd_suffix.realised_tokens(blocks))
+            p_rej, ok_rej = picked(teacher, blocks.drafts)
+            q_rej, _ = picked(draft, blocks.drafts)
+            forward = losses.bernoulli_forward_kl(target_logprob=p_acc, draft_logprob=q_acc)
+            reverse = losses.k3_reverse_kl(
+                target_logprob=p_rej, draft_logprob=q_rej, clamp=float(self.hparams.k3_clamp)
+            )
+            accepted_mask, rejected_mask = accepted_mask & ok_acc, rejected_mask & ok_rej
+        return {
+            "accepted_kl": forward[accepted_mask],
+            "accepted_mask": torch.ones(int(accepted_mask.sum()), device=device),
+            "rejected_kl": reverse[rejected_mask],
+            "rejected_depth": depth[rejected_mask],
+            "rejected_mask": torch.ones(int(rejected_mask.sum()), device=device),
+        }
+
+    def suffix_rows(
+        self, batch: Mapping[str, Any], row: int, length: int
+    ) -> tuple[opd_suffix.ChainBlocks, Tensor, Tensor] | None:
+        """(blocks, teacher rows, drafter rows) of row `row` of a batch of greedy texts: the
+        drafter's rows [S, K, V_draft] carry gradients; the teacher's are log-probs in the same
+        vocabulary convention, each under the prefix its slot was drafted from.
+
+        The response starts at the first loss-mask position and is cut to the target's greedy
+        prefix. With the store's cached features and final hidden states no target pass over
+        the text is run but the one that fills the cache the post-rejection suffixes attend to.
+        """
+        ids = batch["input_ids"][row : row + 1, :length]
+        mask = batch.get("loss_mask")
+        on = (mask[row, :length] > 0).nonzero().flatten() if mask is not None else None
+        if on is None or on.numel() == 0:
+            return None
+        start = max(int(on[0]), absorbed_offset(self.drafter), 1)
+        end = int(on[-1]) + 1
+        ids = ids[:, :end]
+        if end - 1 <= start:
+            return None
+        needs = self.drafter.needs_features
+        cache = None
+        with torch.no_grad():
+            if "last_hidden" in batch and (not needs or "features" in batch):
+                features = batch["features"][row : row + 1, :end] if needs else None
+                text = TextPass(features, batch["last_hidden"][row, start - 1 : end])
+            else:
+                output = self.target(ids, output_features=needs, use_cache=True)
+                text = TextPass(output.features, output.last_hidden[0, start - 1 :])
+                cache = output.cache
+            argmax = batch.get("target_argmax")
+            continuation = ids[0, start:].tolist()
+            if argmax is not None:
+                wrong = (ids[0, start:] != argmax[row, start - 1 : end - 1]).nonzero().flatten()
+                keep = int(wrong[0]) if wrong.numel() else len(continuation)
+            else:
+                keep = greedy_prefix(self.target, text, continuation)
+            if keep < len(continuation):
+                self._not_greedy += 1
+                ids, text = ids[:, : start + keep], text.prefix(start, keep)
+            chain = int(self.hparams.chain) or opd_suffix.default_chain(self.drafter)
+            try:
+                blocks = opd_suffix.chain_blocks(
+                    self.target, self.drafter, ids[0], start, chain=chain, text=text
+                )
+            except ReplayMismatch:
+                self._not_greedy += 1
+                return None
+            if blocks is None:
+                return None
+            if cache is None and bool(blocks.rejected.any()):
+                roots = blocks.anchors + blocks.accepted
+                cache = self.target(
+                    ids[:, : int(roots[blocks.rejected].max()) + 1], output_features=False,
+                    use_cache=True, logits_to_keep=1,
+                ).cache  # fmt: skip
+            text_logits = self.target.head_logits(text.last_hidden).float()
+            teacher = opd_suffix.teacher_rows(
+                self.target, cache, ids[0], blocks, text_logits, text_start=start - 1,
+                max_tokens=int(self.hparams.score_max_tokens),
+            )  # fmt: skip
+        anchors = blocks.anchors.to(ids.device)
+        prefix = ids[:, : int(anchors.max()) + 1]
+        features = None if text.features is None else text.features[:, : prefix.shape[1]]
+        proposer = self.drafter.sequence_proposer(prefix, anchors, features=features)
+        draft = proposer.path_rows(blocks.drafts[:, :-1].to(ids.device), draft_space=True)
+        return blocks, self._draft_vocab_logprobs(teacher), draft
 
     def replay_rows(self, ids: Tensor, blocks: ReplayBlocks) -> tuple[Tensor, Tensor]:
         """(target rows, drafter rows) [S, W + 1, V_draft] of log-probs at block slots 1..W+1
@@ -473,6 +608,8 @@ class DraftOPD(EagleSFT):
             self.log(f"train/{name}", float(result[key]))
         self.log("train/accepted_seen", float(self._accepted_seen))
         self.log("train/rejected_seen", float(self._rejected_seen))
+        if self.hparams.rejected_stream == "suffix":
+            self.log("train/not_greedy_texts", float(self._not_greedy))
         if self._target_cache is not None:
             looked_up = self._target_cache.hits + self._target_cache.misses
             self.log("train/target_cache_hit_rate", self._target_cache.hits / max(1, looked_up))

@@ -54,7 +54,9 @@ def _trainer(tmp_path: Path, *, steps: int):  # noqa: ANN202
 
 
 def _module(target: TargetModel, state: dict, **overrides: object) -> DraftOPD:
-    options = {"lr": 1e-2, "warmup_steps": 1, "max_steps_for_schedule": 10, "ttt_steps": 2}
+    # these tests are about the tried-node form; the reference's suffix form: test_opd_suffix
+    options = {"lr": 1e-2, "warmup_steps": 1, "max_steps_for_schedule": 10, "ttt_steps": 2,
+               "rejected_stream": "tried"}  # fmt: skip
     options.update(overrides)
     drafter = HELPERS._drafter(target)
     drafter.load_state_dict(state)
