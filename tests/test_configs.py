@@ -240,6 +240,57 @@ def test_cli_fit_draft_opd_on_fresh_rollouts(
     assert expected <= metrics, metrics
 
 
+@pytest.mark.parametrize(
+    ("config", "experiment", "expected"),
+    [
+        ("draft_opd_greedy.yaml", "draft_opd_greedy",
+         {"train/loss_accepted", "train/loss_rejected", "train/not_greedy_texts"}),
+        ("sft_same_texts.yaml", "sft_same_texts", {"train/loss"}),
+    ],
+)  # fmt: skip
+def test_cli_fit_draft_opd_and_its_control_on_the_same_greedy_texts(
+    tiny_cli_assets: dict[str, str], tmp_path: Path, config: str, experiment: str, expected: set
+) -> None:
+    """`lightning-spec fit --config configs/{draft_opd_greedy,sft_same_texts}.yaml` end to end
+    (tiny target and drafter, 2 steps): regenerated greedy texts with cached features, the
+    reference's Draft-OPD (post-rejection suffix) and its SFT control on the same store."""
+    from mlflow.tracking import MlflowClient
+
+    from lightning_spec.cli import main
+    from lightning_spec.tracking import default_tracking_uri
+
+    run = tmp_path / "run"
+    code = main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / config),
+            f"--model.init_args.target={tiny_cli_assets['model']}",
+            f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
+            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
+            f"--data.init_args.target={tiny_cli_assets['model']}",
+            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
+            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+            "--data.init_args.val_fraction=0.2",
+            "--data.init_args.regenerate_max_new_tokens=12",
+            "--data.init_args.batch_size=2",
+            f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.run_dir={run}",
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.log_every_n_steps=1",
+        ]
+    )
+    assert code == 0
+    assert (run / "drafter" / "last" / "model.safetensors").is_file()
+    client = MlflowClient(tracking_uri=default_tracking_uri(run))
+    found_experiment = client.get_experiment_by_name(experiment)
+    (found,) = client.search_runs([found_experiment.experiment_id])
+    metrics = set(found.data.metrics)
+    assert expected | {"val/tau"} <= metrics, metrics
+
+
 def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
     """Every non-Lightning config is an `online` config and passes its checks; the command
     runs end to end on the tiny target (two rounds, frozen and ogd), logging to MLflow."""
