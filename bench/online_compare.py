@@ -8,8 +8,13 @@ tau with a 95% bootstrap interval over requests, the paired per-request differen
 for every strategy (`tau_over_rounds.png`). Runs already finished in OUT are reused (resume).
 
     python bench/online_compare.py --config configs/online_spec.yaml --out runs/online_compare \\
-        --strategies frozen,ogd,optimistic,ensemble,osd,dpo [--seed 1] \\
+        --strategies frozen,ogd,optimistic,ensemble,osd,dpo,hindsight [--seed 1] \\
         [--set optimistic.lr=0.5 --set optimistic.drafter=runs/sft_hydra_cpu/drafter/best]
+
+``hindsight`` (a replayed stream only) is the ceiling: the config's strategy fitted on the first
+70% of the stream (``--hindsight-fraction``, ``--hindsight-epochs`` passes) and scored frozen on
+the rest; the table gives every strategy's tau on those last requests (``tau@hindsight_tail``)
+and the share of the ceiling's gain over frozen it took (``ceiling_share``).
 
 The config's `strategy:` options are shared by every strategy that accepts them; `--set
 NAME.KEY=VALUE` overrides one strategy's option (the SGD-style optimistic update needs a learning
@@ -78,6 +83,18 @@ def summarize(out: Path, strategies: list[str]) -> dict[str, Any]:
                 lambda a, b: stats.ratio_of_sums_of(a, b) - 1,
             )
         table[name] = entry
+    if "hindsight" in requests:  # the ceiling: every strategy on the requests it was scored on
+        tail = {r["request"] for r in requests["hindsight"]}
+        for name in strategies:
+            picked = [r["tau"] for r in requests[name] if r["request"] in tail and r["tau"] == r["tau"]]
+            table[name]["tau@hindsight_tail"] = sum(picked) / len(picked) if picked else None
+        frozen = table.get("frozen", {}).get("tau@hindsight_tail")
+        ceiling = table["hindsight"]["tau@hindsight_tail"]
+        if frozen and ceiling and ceiling != frozen:
+            for name in strategies:
+                own = table[name]["tau@hindsight_tail"]
+                if own is not None:  # the share of the ceiling's gain over frozen taken online
+                    table[name]["ceiling_share"] = (own - frozen) / (ceiling - frozen)
     return table
 
 
@@ -151,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LABEL=FOLDER",
         help="serve nothing: draw these runs' tau over rounds into the PNG --out (repeatable)",
     )
+    parser.add_argument("--hindsight-fraction", type=float, default=0.7,
+                        help="with 'hindsight' in --strategies: the share of the stream it is "
+                        "fitted on (the rest is where every strategy is compared to it)")  # fmt: skip
+    parser.add_argument("--hindsight-epochs", type=int, default=3)
     args = parser.parse_args(argv)
     if args.figure:
         try:
@@ -180,7 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / "config.yaml"
         path.write_text(yaml.safe_dump(config))
-        code = subprocess.call([str(executable), "online", "--config", str(path)])
+        command = [str(executable), "online", "--config", str(path)]
+        if name == "hindsight":  # the configured learner, fitted with hindsight (the ceiling)
+            strategy["name"] = str((base.get("strategy") or {}).get("name", "ogd"))
+            path.write_text(yaml.safe_dump(dict(config, strategy=strategy)))
+            command += ["--hindsight", str(args.hindsight_fraction),
+                        "--hindsight-epochs", str(args.hindsight_epochs)]  # fmt: skip
+        code = subprocess.call(command)
         if code != 0:
             print(f"{name}: online exited {code}", file=sys.stderr)
             return code
@@ -214,16 +241,18 @@ def parse_overrides(
 
 
 def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The shared options each strategy accepts (frozen: only ttt_steps)."""
-    accepted = {
-        "frozen": {"ttt_steps"},
-        "ogd": {"lr", "steps_per_round", "ttt_steps", "grad_clip", "buffer_rounds"},
-        "optimistic": {"lr", "ttt_steps", "grad_clip", "momentum"},
-        "ensemble": {"lr", "steps_per_round", "ttt_steps", "grad_clip", "learners", "ratio",
-                     "epsilon", "weighting", "temperature", "buffer_rounds"},
-        "osd": {"lr", "steps_per_round", "ttt_steps", "grad_clip", "buffer_rounds"},
-        "dpo": {"lr", "steps_per_round", "grad_clip", "beta"},
-    }[name]  # fmt: skip
+    """The shared options each strategy accepts, read from its constructor's signature (frozen:
+    only ttt_steps; ``hindsight`` fits the config's own strategy, so it takes them all)."""
+    import inspect
+
+    from lightning_spec.objectives.online import STRATEGIES
+
+    if name == "hindsight":
+        return dict(options)
+    if name == "frozen":
+        accepted = {"ttt_steps"}
+    else:
+        accepted = set(inspect.signature(STRATEGIES[name]).parameters) - {"drafter"}
     return {k: v for k, v in options.items() if k in accepted}
 
 

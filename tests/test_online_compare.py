@@ -51,6 +51,26 @@ def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
     }
 
 
+def test_the_hindsight_ceiling_is_read_on_its_own_tail_requests(compare, tmp_path: Path) -> None:
+    _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 20.0)
+    _write(tmp_path / "ogd", [2.0, 2.2, 2.4, 2.6], 15.0)
+    folder = tmp_path / "hindsight"
+    folder.mkdir()
+    rows = [{"round": 0, "request": 2, "tau": 3.0}, {"round": 0, "request": 3, "tau": 3.0}]
+    (folder / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    (folder / "rounds.jsonl").write_text(json.dumps(
+        {"round": 0, "requests": 2, "tau": 3.0, "tokens_per_s": 0.0, "net_tokens_per_s": 0.0,
+         "prequential_tokens_per_s": 0.0}) + "\n")  # fmt: skip
+    table = compare.summarize(tmp_path, ["frozen", "ogd", "hindsight"])
+    assert table["ogd"]["tau@hindsight_tail"] == pytest.approx(2.5)
+    assert table["frozen"]["tau@hindsight_tail"] == pytest.approx(2.0)
+    assert table["hindsight"]["ceiling_share"] == pytest.approx(1.0)
+    assert table["ogd"]["ceiling_share"] == pytest.approx(0.5)  # (2.5 - 2) / (3 - 2)
+    assert table["hindsight"]["paired_gain"] == pytest.approx(1.0)
+    assert compare._options("hindsight", {"lr": 1.0, "epochs": 2}) == {"lr": 1.0, "epochs": 2}
+    assert compare._options("ogd", {"lr": 1.0, "epochs": 2, "beta": 0.1}) == {"lr": 1.0, "epochs": 2}
+
+
 def test_set_overrides_split_config_keys_from_strategy_options(compare) -> None:
     parsed = compare.parse_overrides(
         ["optimistic.lr=5e-1", "optimistic.drafter=runs/hydra/best", "ogd.steps_per_round=4"],

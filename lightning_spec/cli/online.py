@@ -14,7 +14,9 @@ builds narrow-domain ones. ``replay: true`` generates the stream's greedy answer
 batches (cached in ``replay_cache``, default ``OUT_DIR/../continuations.jsonl``, shared by
 every strategy served beside it) and serves each request by exact replay: the same tau and
 feedback as live decoding at T = 0, at a fraction of the time (tokens/s then comes from a live
-run).
+run). ``--hindsight 0.7`` serves nothing online: it fits the strategy on the first 70% of the
+replayed stream for ``--hindsight-epochs`` passes and scores the rest frozen, the ceiling the
+online strategies' tau on those requests is read against (`serving.hindsight`).
 """
 
 from __future__ import annotations
@@ -100,6 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--limit", type=int, default=0, help="with --stream: serve at most N prompts"
     )
+    parser.add_argument(
+        "--hindsight",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="serve nothing online: fit the strategy on the first FRACTION of the stream "
+        "(replayed, --hindsight-epochs passes), then score the rest frozen (the ceiling)",
+    )
+    parser.add_argument("--hindsight-epochs", type=int, default=3)
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {}
     if args.stream is not None:
@@ -174,27 +185,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"online: strategy: {error}", file=sys.stderr)
         return 2
     out = Path(config["out_dir"])
-    logger = make_mlflow_logger(str(config["experiment"]), out, run_name=strategy.name)
+    if args.hindsight is not None and continuations is None:
+        print("online: --hindsight replays the stream's greedy answers: set replay: true",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    run_name = strategy.name if args.hindsight is None else f"hindsight-{strategy.name}"
+    logger = make_mlflow_logger(str(config["experiment"]), out, run_name=run_name)
     logger.log_hyperparams({k: json.dumps(v) if isinstance(v, (list, dict)) else v
                             for k, v in config.items()})  # fmt: skip
-    rows = run_stream(
-        target,
-        strategy,
-        specs.resolve_tree(str(config["tree"])),
-        requests,
-        out_dir=out,
-        round_size=int(config["round_size"]),
-        max_new_tokens=int(config["max_new_tokens"]),
-        logger=logger,
-        guard=guard,
-        regret_window=int(config.get("regret_window", 0)),
-        record_feedback=bool(config.get("record_feedback", False)),
-        continuations=continuations,
-    )
+    if args.hindsight is not None:
+        from lightning_spec.serving.hindsight import run_hindsight
+
+        try:
+            rows = run_hindsight(
+                target, strategy, specs.resolve_tree(str(config["tree"])), requests,
+                continuations, out_dir=out, fraction=args.hindsight,
+                epochs=args.hindsight_epochs, round_size=int(config["round_size"]),
+                max_new_tokens=int(config["max_new_tokens"]), logger=logger,
+            )  # fmt: skip
+        except ValueError as error:
+            print(f"online: {error}", file=sys.stderr)
+            return 2
+    else:
+        rows = run_stream(
+            target,
+            strategy,
+            specs.resolve_tree(str(config["tree"])),
+            requests,
+            out_dir=out,
+            round_size=int(config["round_size"]),
+            max_new_tokens=int(config["max_new_tokens"]),
+            logger=logger,
+            guard=guard,
+            regret_window=int(config.get("regret_window", 0)),
+            record_feedback=bool(config.get("record_feedback", False)),
+            continuations=continuations,
+        )
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]
     print(
-        f"{strategy.name}: {len(rows)} requests, prequential tau "
+        f"{run_name}: {len(rows)} requests, prequential tau "
         f"{sum(taus) / max(1, len(taus)):.3f}; rounds in {out / 'rounds.jsonl'}"
     )
     return 0

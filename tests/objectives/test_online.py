@@ -46,7 +46,7 @@ def target() -> TargetModel:
 def _requests(count: int = 6) -> list[Request]:
     generator = torch.Generator().manual_seed(4)
     return [
-        Request(i, "ab"[i // 3], f"r{i}", torch.randint(3, 128, (6,), generator=generator).tolist())
+        Request(i, "abcd"[i // 3], f"r{i}", torch.randint(3, 128, (6,), generator=generator).tolist())
         for i in range(count)
     ]
 
@@ -357,3 +357,49 @@ def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None
     for learner in ensemble.learners:
         for mine, mean in zip(learner.drafter.parameters(), ensemble.drafter.parameters(), strict=True):
             assert torch.equal(mine, mean)
+
+
+def test_the_hindsight_ceiling_fits_on_the_head_and_scores_the_tail(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    """The configured learner fitted on the first 70% of a replayed stream for several epochs,
+    then frozen on the rest: its rows are the tail's requests, its fitted drafter is what
+    served them (equal to re-serving the tail with that drafter), and a killed run resumes."""
+    from lightning_spec.serving.continuations import stream_continuations
+    from lightning_spec.serving.hindsight import FIT_CHECKPOINT, SUMMARY, hindsight_split, run_hindsight
+
+    policy = parse_tree_spec(POLICY)
+    requests = _requests(10)
+    answers = stream_continuations(
+        target, requests, max_new_tokens=10, cache=tmp_path / "answers.jsonl", batch_size=4,
+        progress=False,
+    )  # fmt: skip
+    assert hindsight_split(10, 0.7) == 7
+    strategy = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, epochs=1, minibatch=2)
+    start = {k: v.clone() for k, v in strategy.drafter.state_dict().items()}
+    rows = run_hindsight(
+        target, strategy, policy, requests, answers, out_dir=tmp_path / "h", fraction=0.7,
+        epochs=2, round_size=3, max_new_tokens=10,
+    )  # fmt: skip
+    assert [r["request"] for r in rows] == [7, 8, 9]
+    moved = any(not torch.equal(v, start[k]) for k, v in strategy.drafter.state_dict().items())
+    assert moved
+    again = run_stream(
+        target, make_strategy("frozen", strategy.drafter), policy, requests[7:],
+        out_dir=tmp_path / "again", round_size=3, max_new_tokens=10, continuations=answers[7:],
+    )  # fmt: skip
+    assert [r["tau"] for r in again] == pytest.approx([r["tau"] for r in rows], abs=1e-9)
+    summary = json.loads((tmp_path / "h" / SUMMARY).read_text())
+    assert summary["fit_requests"] == 7 and summary["scored_requests"] == 3
+    assert torch.load(tmp_path / "h" / FIT_CHECKPOINT, weights_only=False)["epochs"] == 2
+    # resumed after the fit: no epoch is run again, the same rows come back
+    fresh = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, epochs=1, minibatch=2)
+    resumed = run_hindsight(
+        target, fresh, policy, requests, answers, out_dir=tmp_path / "h", fraction=0.7,
+        epochs=2, round_size=3, max_new_tokens=10,
+    )  # fmt: skip
+    assert [r["tau"] for r in resumed] == pytest.approx([r["tau"] for r in rows], abs=1e-9)
+    with pytest.raises(ValueError, match="replay: true"):
+        run_hindsight(target, fresh, policy, requests, None, out_dir=tmp_path / "x")
+    with pytest.raises(ValueError, match="fraction"):
+        hindsight_split(10, 1.0)
