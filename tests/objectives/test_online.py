@@ -366,7 +366,12 @@ def test_the_hindsight_ceiling_fits_on_the_head_and_scores_the_tail(
     then frozen on the rest: its rows are the tail's requests, its fitted drafter is what
     served them (equal to re-serving the tail with that drafter), and a killed run resumes."""
     from lightning_spec.serving.continuations import stream_continuations
-    from lightning_spec.serving.hindsight import FIT_CHECKPOINT, SUMMARY, hindsight_split, run_hindsight
+    from lightning_spec.serving.hindsight import (
+        FIT_CHECKPOINT,
+        SUMMARY,
+        hindsight_split,
+        run_hindsight,
+    )
 
     policy = parse_tree_spec(POLICY)
     requests = _requests(10)
