@@ -288,7 +288,7 @@ def test_cli_fit_draft_opd_and_its_control_on_the_same_greedy_texts(
     found_experiment = client.get_experiment_by_name(experiment)
     (found,) = client.search_runs([found_experiment.experiment_id])
     metrics = set(found.data.metrics)
-    assert expected | {"val/tau"} <= metrics, metrics
+    assert expected | {"val/tau", "replay/tau", "replay/error_fix_rate"} <= metrics, metrics
 
 
 def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:

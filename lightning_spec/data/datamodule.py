@@ -1180,6 +1180,23 @@ class RolloutDataModule(pl.LightningDataModule):
         return self._loader(self._val, self._val_plan, train=False)
 
     # ------------------------------------------------------------------ eval prompts
+    def train_prompts(self, limit: int) -> list[list[int]]:
+        """Token ids of the first `limit` training prompts (the text before each record's first
+        loss token; on-policy: the rollout prompts): for callbacks that measure what training
+        changed on its own data (`ReplayAcceptance`'s error-fix rate). Needs ``setup``."""
+        if self.mode == "on_policy":
+            return [list(p) for p in self._prompts[:limit]]
+        if self._train is None:
+            raise RuntimeError("train_prompts needs the data set up: call setup('fit') first")
+        prompts: list[list[int]] = []
+        for index in range(len(self._train)):
+            if len(prompts) >= limit:
+                break
+            prompt = _prompt_of(self._train, index)
+            if prompt:
+                prompts.append(prompt)
+        return prompts
+
     def eval_prompts(self, limit: int | None = None) -> list[list[int]]:
         """Token ids of held-out prompts (``prompts_for_eval``), rendered with the chat template
         and ending with the assistant header: what the acceptance-eval callback decodes from."""

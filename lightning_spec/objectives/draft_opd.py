@@ -349,7 +349,8 @@ class DraftOPD(EagleSFT):
             return None
         blocks, teacher, draft = suffix
         device = draft.device
-        accepted_mask, rejected_mask = (m.to(device) for m in opd_suffix.stream_masks(blocks))
+        masks = opd_suffix.stream_masks(blocks, correction=bool(self.hparams.correction))
+        accepted_mask, rejected_mask = (m.to(device) for m in masks)
         depth = (torch.arange(draft.shape[1], device=device) + 1).expand_as(rejected_mask)
         if self.hparams.kl == "exact":
             forward = losses.forward_kl_rows(target_logprobs=teacher, draft_logprobs=draft)

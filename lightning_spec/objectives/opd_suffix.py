@@ -169,7 +169,7 @@ def teacher_rows(
     return rows
 
 
-def stream_masks(blocks: ChainBlocks) -> tuple[Tensor, Tensor]:
+def stream_masks(blocks: ChainBlocks, *, correction: bool = True) -> tuple[Tensor, Tensor]:
     """(accepted [S, K], rejected [S, K]) bool masks over the drafted slots (row j = slot j + 1).
 
     Accepted: the accepted drafts and, when the text holds it and it lies inside the block, the
@@ -178,7 +178,7 @@ def stream_masks(blocks: ChainBlocks) -> tuple[Tensor, Tensor]:
     width = blocks.drafts.shape[1]
     slots = torch.arange(width).unsqueeze(0)
     n = blocks.accepted.unsqueeze(1)
-    correction = (blocks.corrections >= 0).unsqueeze(1) & (n < width)
+    correction = (blocks.corrections >= 0).unsqueeze(1) & (n < width) & correction
     accepted = (slots < n) | ((slots == n) & correction)
     rejected = blocks.rejected.unsqueeze(1) & (slots >= n)
     return accepted, rejected

@@ -145,6 +145,9 @@ def test_stream_masks_on_hand_made_blocks() -> None:
     assert accepted.tolist() == [[True, True, False], [True, True, True], [False, False, False]]
     assert rejected.tolist() == [[False, True, True], [False, False, False], [False, False, False]]
     assert opd_suffix.realised_tokens(blocks).tolist() == [[7, 11, 9], [1, 2, 3], [4, 5, 6]]
+    without, same = opd_suffix.stream_masks(blocks, correction=False)  # the ablation
+    assert without.tolist() == [[True, False, False], [True, True, True], [False, False, False]]
+    assert torch.equal(same, rejected)
 
 
 @pytest.mark.parametrize("kl", ["exact", "estimator"])
