@@ -1,35 +1,50 @@
 """Draft-OPD (arXiv 2605.29343): on-policy distillation of the drafter at its own errors.
 
 Continued SFT on fixed target text stops raising acceptance: the drafter is trained on states
-the target made and judged on states it made itself. Draft-OPD trains on its own rollouts
-(ALGORITHMS.md section 3):
+the target made and judged on states it made itself. Draft-OPD trains on its own drafts
+(ALGORITHMS.md section 3).
+
+The default, ``rejected_stream: suffix``, is the reference's objective (`opd_suffix`): on each
+greedy text of the batch (the regenerated store's cached greedy answers, or greedy rollouts) the
+decoder's exact replay gives the CURRENT drafter's chain blocks (anchors, drafts d_1 .. d_K,
+accept length n); the accepted stream is slots 1 .. n + 1 (the accepted drafts and the
+correction) under forward KL towards the target's rows along the text; the rejected stream is
+every drafted slot n + 1 .. K under reverse KL weighted gamma^(k-1), the teacher at slot k > n + 1
+being the target conditioned on the drafter's own prefix d_1 .. d_{k-1} (one tree-block target
+pass per text, through the decoder's `score_trees_target`). Pooled normalisation
+(`losses.draft_opd_loss`). With the store's cached features and final hidden states, that pass
+over the suffixes is the only target compute of a step (configs/draft_opd_greedy.yaml; its
+control: configs/sft_same_texts.yaml).
+
+The earlier form, ``rejected_stream: tried``, trains on stored rollouts (StepRecord v2):
 
 1. Rollouts: real speculative decoding with the current drafter, through the `RolloutSource`
    seam of `RolloutDataModule(mode="on_policy")`, refreshed every N optimizer steps by the
    `RefreshRollouts` callback (which logs rollout tau and throughput). Each verification step
    records its anchor a (the root, the last committed token), its accept length n and its
-   tried-and-rejected drafts with their block positions k (StepRecord v2).
+   tried-and-rejected drafts with their block positions k.
 2. Replay at the anchors, batched: per step, the committed chain x_{a+1} .. x_{a+n} is fed to
    the drafter from the anchor through the decoder's own drafting seam
    (`Drafter.sequence_proposer` + `path_rows`, one teacher-forced pass per sequence serves
    all anchors), giving the drafter's rows at block slots k = 1 .. n + 1; the target's rows at
    the same slots come from the shared tree-scoring module (`score_trees_target` over the
-   committed text from the first anchor on, one chain; exact: every slot's context is the
-   committed prefix, which is also the context every tried-and-rejected draft was verified
-   in). That side depends on the text alone and is cached per text (`target_cache_bytes`), so
-   revisits, and greedy rollouts replayed for later drafters (`rollout_replay`), cost only the
-   drafter.
-3. Loss: forward KL(p || q) at the slots of accepted tokens (k <= n); reverse KL(q || p) at the
-   slots where drafts were rejected, weighted gamma^(k-1); L = (l_a L_acc + l_r L_rej) /
-   (l_a + l_r) (`losses.draft_opd_loss`). ``kl="exact"`` (default) compares whole rows;
-   ``kl="estimator"`` uses the per-token forms of the authors' code (Bernoulli forward KL on the
-   committed token, clamped k3 on each rejected token).
+   committed text from the first anchor on, one chain). That side depends on the text alone
+   and is cached per text (`target_cache_bytes`).
+3. Loss: forward KL(p || q) at the slots of accepted tokens (and the correction); reverse
+   KL(q || p) at the slots where tried drafts (tree siblings included) were rejected, whose
+   parents lie on committed text: at T = 0 every such state lies on the target's own text.
+
+Both forms: ``kl="exact"`` (default) compares whole rows; ``kl="estimator"`` uses the per-token
+forms of the authors' code (Bernoulli forward KL on the realised token, clamped k3 on each
+drafted token).
 
 Ablations are config fields: ``gamma: 1``, ``lambda_rejected: 0`` (all forward),
-``lambda_accepted: 0`` (all reverse), ``anchors: random`` (the same number of blocks of the same
-lengths at random response positions instead of the drafter's error positions). The paper's
-negative control, SFT on the rollouts without replay, is `EagleSFT` on the same on-policy data
-(`configs/draft_opd_sft_control.yaml`). Our extension for budgets where rollouts are scarce:
+``lambda_accepted: 0`` (all reverse), ``correction: false``, ``anchors: random`` (blocks of the
+same lengths at random response positions instead of the drafter's error positions; in the
+suffix form only the accepted stream moves, as in the reference code),
+``rejected_stream: tried``. The paper's negative control, SFT on the same texts without replay,
+is `EagleSFT` on the same store (configs/sft_same_texts.yaml; for stored rollouts
+configs/draft_opd_sft_control.yaml). Our extension for budgets where rollouts are scarce:
 ``lambda_sft`` > 0 adds the EAGLE-3 token loss on dataset rows that ride along with the
 rollouts (`RolloutDataModule(rollout_sft_mix=True)`). Validation reports the EAGLE-3 token loss on held-out
 dataset answers (inherited from `EagleSFT`) beside the acceptance callbacks' tau.
@@ -171,8 +186,9 @@ class DraftOPD(EagleSFT):
             vocabulary: "draft" (the target distribution restricted to the draft vocabulary and
                 renormalised, EAGLE-3's label) or "full" (the target's full-vocabulary
                 probabilities of the draft ids; off-vocabulary mass left out as a constant).
-            anchors: "errors" (the rollout's own blocks) or "random" (the ablation; with
-                ``rejected_stream: tried`` only).
+            anchors: "errors" (the rollout's own blocks) or "random" (the ablation: with
+                the suffix stream, as in the reference, only the accepted stream moves to
+                random response positions; with the tried form both do).
             rejected_stream: "suffix" (the reference, the default): the current drafter's
                 chain is replayed on each greedy text (`opd_suffix`) and the rejected stream is
                 every drafted slot from the first rejection on, the teacher conditioned on the
@@ -217,11 +233,6 @@ class DraftOPD(EagleSFT):
             raise ValueError(f"anchors must be errors or random, got {anchors!r}")
         if rejected_stream not in ("suffix", "tried"):
             raise ValueError(f"rejected_stream must be suffix or tried, got {rejected_stream!r}")
-        if rejected_stream == "suffix" and anchors == "random":
-            raise ValueError(
-                "anchors: random is the ablation of the tried-node form; set "
-                "rejected_stream: tried with it"
-            )
         if chain < 0:
             raise ValueError(f"chain must be >= 0 (0: the drafter's default), got {chain}")
         if not 0 < gamma <= 1:
@@ -343,33 +354,17 @@ class DraftOPD(EagleSFT):
     ) -> dict[str, Tensor] | None:
         """The reference's terms of one greedy text (`opd_suffix`): the current drafter's chain
         blocks, both streams over every drafted slot; None when nothing can be trained on
-        (no response, or a continuation that is not the target's greedy one)."""
-        suffix = self.suffix_rows(batch, row, length)
-        if suffix is None:
+        (no response, or a continuation that is not the target's greedy one). With random
+        anchors the accepted stream comes from the moved blocks, the rejected stream stays
+        (the reference's ablation)."""
+        rows = self.suffix_rows(batch, row, length)
+        if rows is None:
             return None
-        blocks, teacher, draft = suffix
-        device = draft.device
-        masks = opd_suffix.stream_masks(blocks, correction=bool(self.hparams.correction))
-        accepted_mask, rejected_mask = (m.to(device) for m in masks)
-        depth = (torch.arange(draft.shape[1], device=device) + 1).expand_as(rejected_mask)
-        if self.hparams.kl == "exact":
-            forward = losses.forward_kl_rows(target_logprobs=teacher, draft_logprobs=draft)
-            reverse = losses.reverse_kl_rows(target_logprobs=teacher, draft_logprobs=draft)
-        else:
-            def picked(rows: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-                draft_ids = self.drafter.target_to_draft_ids(tokens.to(device))
-                index = draft_ids.clamp_min(0).unsqueeze(-1)
-                values = rows.gather(2, index).squeeze(-1)
-                return values, draft_ids >= 0
-            p_acc, ok_acc = picked(teacher, opd_suffix.realised_tokens(blocks))
-            q_acc, _ = picked(draft, opd_suffix.realised_tokens(blocks))
-            p_rej, ok_rej = picked(teacher, blocks.drafts)
-            q_rej, _ = picked(draft, blocks.drafts)
-            forward = losses.bernoulli_forward_kl(target_logprob=p_acc, draft_logprob=q_acc)
-            reverse = losses.k3_reverse_kl(
-                target_logprob=p_rej, draft_logprob=q_rej, clamp=float(self.hparams.k3_clamp)
-            )
-            accepted_mask, rejected_mask = accepted_mask & ok_acc, rejected_mask & ok_rej
+        forward, accepted_mask, reverse, rejected_mask = self._stream_terms(*rows.real)
+        if rows.moved is not None:
+            forward, accepted_mask, _, _ = self._stream_terms(*rows.moved)
+        device = reverse.device
+        depth = (torch.arange(reverse.shape[1], device=device) + 1).expand_as(rejected_mask)
         return {
             "accepted_kl": forward[accepted_mask],
             "accepted_mask": torch.ones(int(accepted_mask.sum()), device=device),
@@ -378,12 +373,42 @@ class DraftOPD(EagleSFT):
             "rejected_mask": torch.ones(int(rejected_mask.sum()), device=device),
         }
 
+    def _stream_terms(
+        self, blocks: opd_suffix.ChainBlocks, teacher: Tensor, draft: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(forward KL, accepted mask, reverse KL, rejected mask), each [S, K], in the
+        configured KL form."""
+        device = draft.device
+        masks = opd_suffix.stream_masks(blocks, correction=bool(self.hparams.correction))
+        accepted_mask, rejected_mask = (m.to(device) for m in masks)
+        if self.hparams.kl == "exact":
+            forward = losses.forward_kl_rows(target_logprobs=teacher, draft_logprobs=draft)
+            reverse = losses.reverse_kl_rows(target_logprobs=teacher, draft_logprobs=draft)
+            return forward, accepted_mask, reverse, rejected_mask
+
+        def picked(rows: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+            draft_ids = self.drafter.target_to_draft_ids(tokens.to(device))
+            values = rows.gather(2, draft_ids.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+            return values, draft_ids >= 0
+
+        realised = opd_suffix.realised_tokens(blocks)
+        p_acc, ok_acc = picked(teacher, realised)
+        q_acc, _ = picked(draft, realised)
+        p_rej, ok_rej = picked(teacher, blocks.drafts)
+        q_rej, _ = picked(draft, blocks.drafts)
+        forward = losses.bernoulli_forward_kl(target_logprob=p_acc, draft_logprob=q_acc)
+        reverse = losses.k3_reverse_kl(
+            target_logprob=p_rej, draft_logprob=q_rej, clamp=float(self.hparams.k3_clamp)
+        )
+        return forward, accepted_mask & ok_acc, reverse, rejected_mask & ok_rej
+
     def suffix_rows(
         self, batch: Mapping[str, Any], row: int, length: int
-    ) -> tuple[opd_suffix.ChainBlocks, Tensor, Tensor] | None:
+    ) -> opd_suffix.SuffixRows | None:
         """(blocks, teacher rows, drafter rows) of row `row` of a batch of greedy texts: the
         drafter's rows [S, K, V_draft] carry gradients; the teacher's are log-probs in the same
-        vocabulary convention, each under the prefix its slot was drafted from.
+        vocabulary convention, each under the prefix its slot was drafted from (and, with
+        ``anchors: random``, the same for the blocks moved to random response positions).
 
         The response starts at the first loss-mask position and is cut to the target's greedy
         prefix. With the store's cached features and final hidden states no target pass over
@@ -440,12 +465,28 @@ class DraftOPD(EagleSFT):
                 self.target, cache, ids[0], blocks, text_logits, text_start=start - 1,
                 max_tokens=int(self.hparams.score_max_tokens),
             )  # fmt: skip
+            moved = None
+            if self.hparams.anchors == "random":
+                moved = opd_suffix.moved_blocks(blocks, ids[0], start, self._generator)
+                moved_teacher = opd_suffix.teacher_rows(
+                    self.target, None, ids[0], moved, text_logits, text_start=start - 1,
+                    suffix=False,
+                )  # fmt: skip
+        real = (blocks, self._draft_vocab_logprobs(teacher), self._chain_rows(ids, blocks, text))
+        if moved is None:
+            return opd_suffix.SuffixRows(real)
+        moved_rows = self._chain_rows(ids, moved, text)
+        return opd_suffix.SuffixRows(
+            real, (moved, self._draft_vocab_logprobs(moved_teacher), moved_rows)
+        )
+
+    def _chain_rows(self, ids: Tensor, blocks: opd_suffix.ChainBlocks, text: TextPass) -> Tensor:
+        """The drafter's rows [S, K, V_draft] along each block's chain (with gradients)."""
         anchors = blocks.anchors.to(ids.device)
         prefix = ids[:, : int(anchors.max()) + 1]
         features = None if text.features is None else text.features[:, : prefix.shape[1]]
         proposer = self.drafter.sequence_proposer(prefix, anchors, features=features)
-        draft = proposer.path_rows(blocks.drafts[:, :-1].to(ids.device), draft_space=True)
-        return blocks, self._draft_vocab_logprobs(teacher), draft
+        return proposer.path_rows(blocks.drafts[:, :-1].to(ids.device), draft_space=True)
 
     def replay_rows(self, ids: Tensor, blocks: ReplayBlocks) -> tuple[Tensor, Tensor]:
         """(target rows, drafter rows) [S, W + 1, V_draft] of log-probs at block slots 1..W+1

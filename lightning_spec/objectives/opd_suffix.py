@@ -37,6 +37,8 @@ __all__ = [
     "ChainBlocks",
     "chain_blocks",
     "default_chain",
+    "moved_blocks",
+    "SuffixRows",
     "realised_tokens",
     "stream_masks",
     "teacher_rows",
@@ -121,6 +123,7 @@ def teacher_rows(
     *,
     text_start: int,
     max_tokens: int = 512,
+    suffix: bool = True,
 ) -> Tensor:
     """[S, K, V] the target's logits at every drafted slot of every block, each under the
     prefix the drafter drafted it from.
@@ -131,6 +134,7 @@ def teacher_rows(
     the context is the committed prefix up to a + n followed by the drafter's d_{n+1} .. d_j,
     scored as one chain per block rooted at a + n through `score_trees_target`, which needs
     `cache` to hold the target's entries of `ids` [L] up to at least the largest such root.
+    ``suffix=False``: text rows only (blocks whose chains follow the text; no cache needed).
     """
     ids = ids.reshape(-1)
     count, width = blocks.drafts.shape
@@ -139,11 +143,15 @@ def teacher_rows(
     slots = torch.arange(width).unsqueeze(0)
     on_text = (anchors.unsqueeze(1) + torch.minimum(slots, accepted.unsqueeze(1))) - text_start
     rows = text_logits[on_text.clamp(0, text_logits.shape[0] - 1).to(device)].clone()
-    suffix = [b for b in range(count) if bool(blocks.rejected[b]) and int(accepted[b]) < width - 1]
     if not suffix:
         return rows
+    suffix_blocks = [
+        b for b in range(count) if bool(blocks.rejected[b]) and int(accepted[b]) < width - 1
+    ]
+    if not suffix_blocks:
+        return rows
     trees, roots, root_tokens = [], [], []
-    for b in suffix:
+    for b in suffix_blocks:
         n = int(accepted[b])
         nodes = blocks.drafts[b, n : width - 1].to(device)  # d_{n+1} .. d_{K-1}
         size = int(nodes.shape[0])
@@ -162,11 +170,41 @@ def teacher_rows(
         outputs=("rows",),
         max_tokens=max(int(max_tokens), max(t.num_nodes + 1 for t in trees)),
     )
-    for b, score in zip(suffix, scores, strict=True):
+    for b, score in zip(suffix_blocks, scores, strict=True):
         n = int(accepted[b])
         assert score.rows is not None
         rows[b, n + 1 :] = score.rows[1:].to(rows.dtype)  # row i + 1: after d_{n+1} .. d_{n+1+i}
     return rows
+
+
+@dataclass
+class SuffixRows:
+    """One text's blocks with their teacher and drafter rows: `real` (blocks, teacher [S, K, V],
+    drafter [S, K, V]); `moved` the same for the random-anchor ablation's moved blocks."""
+
+    real: tuple[ChainBlocks, Tensor, Tensor]
+    moved: tuple[ChainBlocks, Tensor, Tensor] | None = None
+
+
+def moved_blocks(
+    blocks: ChainBlocks, ids: Tensor, start: int, generator: torch.Generator
+) -> ChainBlocks:
+    """The random-anchor ablation: each block moved to a uniformly drawn response position,
+    keeping its accept length (clipped to the text), its chain now the text itself, so only
+    its accepted stream (accepted drafts and correction) means anything."""
+    ids = ids.reshape(-1).cpu()
+    length = int(ids.shape[0])
+    count, width = blocks.drafts.shape
+    anchors = torch.randint(start, max(start, length - 2) + 1, (count,), generator=generator)
+    accepted = torch.minimum(blocks.accepted, length - 1 - anchors).clamp_min(0)
+    index = anchors.unsqueeze(1) + torch.arange(1, width + 1).unsqueeze(0)
+    drafts = torch.where(index < length, ids[index.clamp(max=length - 1)], torch.zeros_like(index))
+    after = anchors + accepted + 1
+    corrections = torch.where(
+        (after < length) & (accepted < width), ids[after.clamp(max=length - 1)],
+        torch.full_like(after, -1),
+    )  # fmt: skip
+    return ChainBlocks(anchors, drafts, accepted, corrections)
 
 
 def stream_masks(blocks: ChainBlocks, *, correction: bool = True) -> tuple[Tensor, Tensor]:

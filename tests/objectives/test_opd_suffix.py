@@ -177,7 +177,7 @@ def test_the_suffix_stream_holds_more_than_the_first_wrong_slot(
     batch = _greedy_batch(module)
     row = 0
     length = int(batch["attention_mask"][row].sum())
-    blocks, teacher, draft = module.suffix_rows(batch, row, length)
+    blocks, teacher, draft = module.suffix_rows(batch, row, length).real
     assert teacher.shape == draft.shape == (blocks.num_blocks, CHAIN, draft.shape[-1])
     _, rejected = opd_suffix.stream_masks(blocks)
     assert int(rejected.sum()) > int(blocks.rejected.sum())
@@ -190,19 +190,39 @@ def test_a_text_that_is_not_greedy_is_cut_to_its_greedy_prefix(
     batch = _greedy_batch(module)
     length = int(batch["attention_mask"][0].sum())
     start = len(PROMPTS[0])
-    whole, _, _ = module.suffix_rows(batch, 0, length)
+    whole, _, _ = module.suffix_rows(batch, 0, length).real
     broken = {k: v.clone() for k, v in batch.items()}
     broken["input_ids"][0, start + 6] = (broken["input_ids"][0, start + 6] + 1) % 64
-    cut, _, _ = module.suffix_rows(broken, 0, length)
+    cut, _, _ = module.suffix_rows(broken, 0, length).real
     assert module._not_greedy == 1
     assert int((cut.anchors + cut.accepted).max()) <= start + 5
     assert cut.num_blocks <= whole.num_blocks
 
 
+def test_random_anchors_move_the_accepted_stream_only(target: TargetModel, state: dict) -> None:
+    """The reference's ablation: the accepted stream's blocks (same lengths) move to random
+    response positions along the text; the rejected stream stays at the drafter's errors."""
+    batch = _greedy_batch(_module(target, state))
+    errors = _module(target, state).opd_loss(batch)
+    moved = _module(target, state, anchors="random").opd_loss(batch)
+    assert moved["rejected"] == errors["rejected"]
+    assert moved["loss_rejected"] == pytest.approx(errors["loss_rejected"], rel=1e-5)
+    assert moved["loss_accepted"] != pytest.approx(errors["loss_accepted"], rel=1e-3)
+    assert torch.isfinite(moved["loss"])
+    blocks = opd_suffix.ChainBlocks(
+        torch.tensor([4, 6]), torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([1, 3]),
+        torch.tensor([9, 9]),
+    )  # fmt: skip
+    ids = torch.arange(20, 32)
+    shifted = opd_suffix.moved_blocks(blocks, ids, 4, torch.Generator().manual_seed(0))
+    for b in range(2):
+        a, n = int(shifted.anchors[b]), int(shifted.accepted[b])
+        assert 4 <= a <= 10 and n <= int(blocks.accepted[b])
+        assert shifted.drafts[b, :n].tolist() == ids[a + 1 : a + 1 + n].tolist()
+
+
 def test_options_are_checked(target: TargetModel, state: dict) -> None:
     with pytest.raises(ValueError, match="rejected_stream"):
         _module(target, state, rejected_stream="siblings")
-    with pytest.raises(ValueError, match="random"):
-        _module(target, state, anchors="random")
     with pytest.raises(ValueError, match="chain"):
         _module(target, state, chain=-1)
