@@ -70,15 +70,30 @@ def greedy_text_batches(
     return batches
 
 
-def evaluate(module: Any, batches: list[dict], seed: int) -> tuple[list[int], list[float]]:
-    """Per-prefix accepted lengths and rewards on fixed prefixes (seed per batch)."""
+def evaluate(
+    module: Any, batches: list[dict], seed: int, stats: dict[str, float] | None = None
+) -> tuple[list[int], list[float]]:
+    """Per-prefix accepted lengths and rewards on fixed prefixes (seed per batch); `stats`
+    (optional) gets the misalignment statistics, prefix-weighted over the batches: the share
+    of trees whose greedy chain was pruned, and whose accepted path is the greedy chain."""
     lengths: list[int] = []
     rewards: list[float] = []
+    sums = {"pruned": 0.0, "follows": 0.0}
+    weight = 0
     with torch.no_grad():
         for index, batch in enumerate(batches):
-            result = module.gto_term(batch, generator=torch.Generator().manual_seed(seed + index))
+            result = module.gto_term(
+                batch, statistics=stats is not None,
+                generator=torch.Generator().manual_seed(seed + index),
+            )  # fmt: skip
             lengths += result.accept_lengths
             rewards += result.rewards
+            if result.pruned is not None and result.follows is not None:
+                sums["pruned"] += result.pruned * result.prefixes
+                sums["follows"] += result.follows * result.prefixes
+                weight += result.prefixes
+    if stats is not None and weight:
+        stats.update({k: v / weight for k, v in sums.items()})
     return lengths, rewards
 
 
@@ -147,12 +162,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tic = time.perf_counter()
         for step in range(args.steps + 1):
             if step % args.eval_every == 0 or step == args.steps:
-                tl, tr = evaluate(module, train, args.seed)
-                hl, hr = evaluate(module, held_out, args.seed + 1000)
+                train_stats: dict[str, float] = {}
+                held_stats: dict[str, float] = {}
+                tl, tr = evaluate(module, train, args.seed, train_stats)
+                hl, hr = evaluate(module, held_out, args.seed + 1000, held_stats)
                 curve.append({
                     "step": step, "seconds": time.perf_counter() - tic,
                     "train_accept": sum(tl) / len(tl), "train_reward": sum(tr) / len(tr),
                     "heldout_accept": sum(hl) / len(hl), "heldout_reward": sum(hr) / len(hr),
+                    **{f"train_{k}": v for k, v in train_stats.items()},
+                    **{f"heldout_{k}": v for k, v in held_stats.items()},
                 })
                 print(f"omega {omega:+g} step {step}: {curve[-1]}", flush=True)
                 finals[omega] = {"train": tl, "heldout": hl, "train_reward": tr, "heldout_reward": hr}
