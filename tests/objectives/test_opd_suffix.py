@@ -226,3 +226,20 @@ def test_options_are_checked(target: TargetModel, state: dict) -> None:
         _module(target, state, rejected_stream="siblings")
     with pytest.raises(ValueError, match="chain"):
         _module(target, state, chain=-1)
+
+
+def test_a_dflash_drafter_trains_on_its_whole_block(target: TargetModel) -> None:
+    """The reference's student: a DFlash drafter, chain = its block - 1 drafts by default."""
+    from lightning_spec.models.drafters.dflash import DFlashDrafter
+
+    drafter = DFlashDrafter.from_target(target, block_size=5, num_layers=1, intermediate_size=64)
+    module = DraftOPD.from_objects(target, drafter, lr=1e-2, warmup_steps=1, max_steps_for_schedule=10)
+    assert opd_suffix.default_chain(drafter) == 4
+    batch = _greedy_batch(module)
+    rows = module.suffix_rows(batch, 0, int(batch["attention_mask"][0].sum()))
+    blocks, teacher, draft = rows.real
+    assert blocks.drafts.shape[1] == 4 and teacher.shape == draft.shape
+    result = module.opd_loss(batch)
+    assert torch.isfinite(result["loss"]) and result["rejected"] > result["accepted"] > 0
+    result["loss"].backward()
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in drafter.parameters())
