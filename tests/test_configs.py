@@ -7,6 +7,7 @@ class path, argument name and type in the files is checked without the real mode
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -330,6 +331,15 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
         run.data.metrics
     )
     assert main(["online", "--config", str(small), "--strategy", "sgd"]) == 2
+    # the hindsight ceiling: replayed only (refused without replay), fitted, then scored frozen
+    hindsight = ["--hindsight", "0.5", "--hindsight-epochs", "2", "--out-dir", str(tmp_path / "h")]
+    assert main(["online", "--config", str(small), *hindsight]) == 2
+    config = yaml.safe_load(small.read_text())
+    config.pop("guard")
+    small.write_text(yaml.safe_dump({**config, "replay": True}))
+    assert main(["online", "--config", str(small), *hindsight]) == 0
+    summary = json.loads((tmp_path / "h" / "hindsight.json").read_text())
+    assert summary["fit_requests"] == 2 and summary["scored_requests"] == 2
     bad = tmp_path / "bad.yaml"
     bad.write_text("drafter: x\nstreem: []\n")
     assert main(["online", "--config", str(bad)]) == 2
