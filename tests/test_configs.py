@@ -247,6 +247,7 @@ def test_cli_fit_draft_opd_on_fresh_rollouts(
         ("draft_opd_greedy.yaml", "draft_opd_greedy",
          {"train/loss_accepted", "train/loss_rejected", "train/not_greedy_texts"}),
         ("sft_same_texts.yaml", "sft_same_texts", {"train/loss"}),
+        ("gto_greedy.yaml", "gto_greedy", {"train/loss_gto"}),
     ],
 )  # fmt: skip
 def test_cli_fit_draft_opd_and_its_control_on_the_same_greedy_texts(
