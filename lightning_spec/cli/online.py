@@ -33,7 +33,7 @@ __all__ = ["load_config", "main", "parse_value"]
 
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
-        "record_feedback", "replay", "replay_cache", "replay_batch"}  # fmt: skip
+        "record_feedback", "replay", "replay_cache", "replay_batch", "update_every"}  # fmt: skip
 
 
 def parse_value(raw: str) -> Any:
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             regret_window=int(config.get("regret_window", 0)),
             record_feedback=bool(config.get("record_feedback", False)),
             continuations=continuations,
+            update_every=int(config.get("update_every", 1)),
         )
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]

@@ -140,6 +140,7 @@ def run_stream(
     regret_window: int = 0,
     record_feedback: bool = False,
     continuations: Sequence[Sequence[int]] | None = None,
+    update_every: int = 1,
 ) -> list[dict[str, Any]]:
     """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
     request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
@@ -150,16 +151,22 @@ def run_stream(
     offline on the very same feedback (`bench/online_replay.py`) without serving again.
     `continuations` (one per request, `serving.continuations`): serve by exact greedy replay
     of these known answers instead of decoding (T = 0; tau and feedback as live, time not:
-    the rows say ``replayed``); an empty one is decoded live."""
+    the rows say ``replayed``); an empty one is decoded live. `update_every` k > 1: the
+    strategy learns once every k rounds, from those k rounds together (an update schedule that
+    charges serving less often; the rounds in between are served by the same drafter)."""
+    if update_every < 1:
+        raise ValueError(f"update_every must be >= 1, got {update_every}")
     require_drafter_policy(policy, "the OnlineSpec stream (it learns from the rejected drafts)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start_round = 0
+    pending: list[Any] = []  # served generations not learned from yet (update_every > 1)
     checkpoint = out / CHECKPOINT
     if checkpoint.is_file():
         state = torch.load(checkpoint, map_location="cpu", weights_only=False)
         strategy.load_state_dict(state["strategy"])
         start_round = int(state["round"]) + 1
+        pending = list(state.get("pending", []))
         log.info("resuming the stream at round %d from %s", start_round, checkpoint)
     logged = [r for r in _read_lines(out / REQUESTS) if r["round"] < start_round]
     _write_lines(out / REQUESTS, logged)  # drop what an unfinished round logged
@@ -200,7 +207,13 @@ def run_stream(
             save_feedback(out, index, generations)
         if regret_window > 0:
             window.append((_served_weights(strategy), generations))
-        update = _guarded_update(target, strategy, policy, generations, guard)
+        pending += generations
+        if (index + 1) % update_every == 0 or index == total_rounds - 1:
+            update = _guarded_update(target, strategy, policy, pending, guard)
+            pending = []
+        else:
+            update = {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0,
+                      "skipped_update": 1.0}  # fmt: skip
         tokens = sum(len(g.tokens) for g in generations)
         verifications = sum(g.num_verifications for g in generations)
         committed = sum(sum(len(r.committed) for r in g.records) for g in generations)
@@ -219,7 +232,9 @@ def run_stream(
         from lightning_spec.io import atomic_path
 
         with atomic_path(checkpoint) as tmp:
-            torch.save({"round": index, "strategy": strategy.state_dict()}, tmp)
+            torch.save(
+                {"round": index, "strategy": strategy.state_dict(), "pending": pending}, tmp
+            )
         if regret_window > 0 and len(window) == regret_window:
             summary["regret_proxy"] = regret_proxy(strategy, window)
             window.clear()

@@ -408,3 +408,48 @@ def test_the_hindsight_ceiling_fits_on_the_head_and_scores_the_tail(
         run_hindsight(target, fresh, policy, requests, None, out_dir=tmp_path / "x")
     with pytest.raises(ValueError, match="fraction"):
         hindsight_split(10, 1.0)
+
+
+def test_update_every_k_rounds_learns_from_the_k_rounds_together_and_resumes(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    """`update_every: 2`: the strategy learns after rounds 2 and 4, each time from both rounds'
+    requests; a run killed after round 1 keeps round 1's served requests for the next update."""
+    from lightning_spec.objectives.online import FrozenStrategy
+
+    class Counting(FrozenStrategy):
+        name = "counting"
+
+        def __init__(self, drafter) -> None:  # noqa: ANN001
+            super().__init__(drafter)
+            self.calls: list[int] = []
+
+        def update(self, generations):  # noqa: ANN001, ANN201
+            self.calls.append(len(generations))
+            return super().update(generations)
+
+    policy = parse_tree_spec(POLICY)
+    requests = _requests(8)
+    counting = Counting(HELPERS._drafter(target))
+    rows = run_stream(target, counting, policy, requests, out_dir=tmp_path / "a", round_size=2,
+                      max_new_tokens=6, update_every=2)  # fmt: skip
+    assert counting.calls == [4, 4] and len(rows) == 8
+    rounds = [json.loads(line) for line in (tmp_path / "a" / "rounds.jsonl").open()]
+    assert [r.get("skipped_update", 0.0) for r in rounds] == [1.0, 0.0, 1.0, 0.0]
+    first = Counting(HELPERS._drafter(target))
+    run_stream(target, first, policy, requests[:2], out_dir=tmp_path / "b", round_size=2,
+               max_new_tokens=6, update_every=2)  # fmt: skip
+    assert first.calls == [2]  # the last round of a stream always learns
+    # killed after round 1: its checkpoint holds round 1's served requests, and the resumed
+    # run's first update learns from them and round 2's
+    (tmp_path / "c").mkdir()
+    torch.save({"round": 0, "strategy": {}, "pending": ["served-in-round-1"] * 2},
+               tmp_path / "c" / "round.pt")  # fmt: skip
+    resumed = Counting(HELPERS._drafter(target))
+    seen: list[list] = []
+    resumed.update = lambda g: (seen.append(list(g)), {"update_seconds": 0.0})[1]  # type: ignore[method-assign]
+    run_stream(target, resumed, policy, requests[:4], out_dir=tmp_path / "c", round_size=2,
+               max_new_tokens=6, update_every=2)  # fmt: skip
+    assert len(seen) == 1 and seen[0][:2] == ["served-in-round-1"] * 2 and len(seen[0]) == 4
+    with pytest.raises(ValueError, match="update_every"):
+        run_stream(target, resumed, policy, requests, out_dir=tmp_path / "d", update_every=0)
