@@ -31,43 +31,9 @@ from typing import Any
 
 import torch
 
+from lightning_spec.bench.greedy import greedy_text_batches
 from lightning_spec.io import atomic_write_json
 from lightning_spec.stats import bootstrap_ci
-
-
-def greedy_text_batches(
-    target: Any, prompts: list[list[int]], *, new_tokens: int, batch_size: int
-) -> list[dict[str, torch.Tensor]]:
-    """Batches of the target's greedy continuations with their cached teacher-forced pass."""
-    from lightning_spec.data.regenerate import greedy_answers
-
-    answers = greedy_answers(target, prompts, max_new_tokens=new_tokens, batch_size=8)
-    texts = [p + a for p, a in zip(prompts, answers, strict=True)]
-    batches = []
-    for begin in range(0, len(texts), batch_size):
-        chunk = texts[begin : begin + batch_size]
-        prompt_lengths = [len(p) for p in prompts[begin : begin + batch_size]]
-        width = max(len(t) for t in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        loss_mask = torch.zeros_like(ids)
-        for row, (text, plen) in enumerate(zip(chunk, prompt_lengths, strict=True)):
-            ids[row, : len(text)] = torch.tensor(text)
-            attention[row, : len(text)] = 1
-            loss_mask[row, plen : len(text)] = 1
-        with torch.no_grad():
-            output = target(ids, attention_mask=attention, output_features=True)
-        batches.append(
-            {
-                "input_ids": ids,
-                "attention_mask": attention,
-                "loss_mask": loss_mask,
-                "features": output.features,
-                "last_hidden": output.last_hidden,
-                "target_argmax": target.head_argmax(output.last_hidden),
-            }
-        )
-    return batches
 
 
 def evaluate(

@@ -8,6 +8,15 @@ and tree rows/s through `score_trees_target`).
 
     python bench/objective_step_cost.py --drafter DIR --tree dynamic:2,8,8 --steps 10 \\
         --output bench/results/smollm2_objective_step_cost.json
+
+``--greedy-texts N`` times the T = 0 objectives on the target's own greedy answers to N ShareGPT
+prompts instead (their features, final hidden states and argmax cached, as the regenerated
+store serves them): SFT, GTO with rewards from the cached pass (``cached_rewards``), GTO scoring
+every tree through the target, and Draft-OPD's reference form (chain blocks, post-rejection
+suffix), reporting steps/s and trained tokens/s of each in one run.
+
+    python bench/objective_step_cost.py --drafter DIR --greedy-texts 24 --new-tokens 128 \\
+        --steps 8 --output bench/results/smollm2_objective_step_cost_greedy.json
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +59,75 @@ def _batches(args: argparse.Namespace, target: Any) -> list[dict]:
         if len(batches) >= args.warmup + args.steps:
             break
     return batches
+
+
+def _greedy_batches(args: argparse.Namespace, target: Any) -> list[dict]:
+    """Batches of the target's greedy answers to ShareGPT prompts, with the cached pass."""
+    from lightning_spec.bench.greedy import greedy_text_batches
+    from lightning_spec.data.chat import render_prompt
+    from lightning_spec.data.sources import load_source
+
+    source = load_source(args.dataset, limit=args.greedy_texts)
+    prompts = [render_prompt(target.tokenizer, m)[-args.max_length :] for m in source.prompts()]
+    return greedy_text_batches(
+        target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size
+    )
+
+
+def _time_loss(module: Any, batches: list[dict], warmup: int, loss_of: Any) -> dict[str, Any]:
+    """Seconds per optimizer step of `loss_of(module, batch)` (any objective's loss)."""
+    optimizer = torch.optim.AdamW(
+        [p for p in module.drafter.parameters() if p.requires_grad], lr=1e-5, betas=(0.9, 0.95)
+    )
+    seconds, tokens = [], 0
+    for index, batch in enumerate(batches):
+        tic = time.perf_counter()
+        loss = loss_of(module, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.drafter.parameters(), 0.5)
+        optimizer.step()
+        if index >= warmup:
+            seconds.append(time.perf_counter() - tic)
+            tokens += int(batch["loss_mask"].sum())
+    return {
+        "steps": len(seconds),
+        "seconds_per_step_median": statistics.median(seconds),
+        "steps_per_s": len(seconds) / sum(seconds),
+        "trained_tokens_per_s": tokens / sum(seconds),
+        "seconds_per_step": seconds,
+    }
+
+
+def _greedy_arms(args: argparse.Namespace, target: Any, drafter: Any, batches: list[dict]) -> dict:
+    """SFT, GTO cached, GTO scored and Draft-OPD (suffix), one after the other."""
+    from lightning_spec.objectives.draft_opd import DraftOPD
+
+    def gto(cached: bool) -> GroupTreeOptimization:
+        return GroupTreeOptimization.from_objects(
+            target, copy.deepcopy(drafter), tree=args.tree, groups=args.groups,
+            group_size=args.group_size, ttt_steps=args.ttt_steps, prepack_target=True,
+            cached_rewards=cached,
+        )  # fmt: skip
+
+    def gto_loss(module: Any, batch: dict) -> Any:
+        return module._common_step(batch).loss + float(module.hparams.omega) * module.gto_term(batch).loss
+
+    arms: dict[str, Any] = {}
+    sft = EagleSFT.from_objects(target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps)
+    arms["sft"] = _time_loss(sft, batches, args.warmup, lambda m, b: m._common_step(b).loss)
+    arms["gto_cached"] = _time_loss(gto(True), batches, args.warmup, gto_loss)
+    arms["gto_scored"] = _time_loss(gto(False), batches, args.warmup, gto_loss)
+    opd = DraftOPD.from_objects(
+        target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps, chain=args.chain,
+        prepack_target=True,
+    )  # fmt: skip
+    arms["draft_opd_suffix"] = _time_loss(opd, batches, args.warmup, lambda m, b: m.opd_loss(b)["loss"])
+    for name in ("gto_cached", "gto_scored", "draft_opd_suffix"):
+        arms[f"{name}_over_sft"] = (
+            arms[name]["seconds_per_step_median"] / arms["sft"]["seconds_per_step_median"]
+        )
+    return arms
 
 
 def _time(module: Any, batches: list[dict], warmup: int, gto: bool) -> dict[str, Any]:
@@ -100,10 +179,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--greedy-texts", type=int, default=0,
+                        help="N > 0: time the T = 0 objectives on N greedy answers (module doc)")  # fmt: skip
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--chain", type=int, default=6, help="Draft-OPD's drafts per block")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = machine_info("fp32")
     target = load_target(args.target)
+    if args.greedy_texts > 0:
+        batches = _greedy_batches(args, target)[: args.warmup + args.steps]
+        results_greedy: dict[str, Any] = {
+            "command": "python bench/objective_step_cost.py " + " ".join(argv or sys.argv[1:]),
+            "commit": git_commit(), "machine": machine, "drafter": str(args.drafter),
+            "drafter_sha256": sha256_file(args.drafter / "model.safetensors"),
+            "tree": args.tree, "chain": args.chain, "batch_size": args.batch_size,
+            "greedy_texts": args.greedy_texts, "new_tokens": args.new_tokens,
+            **_greedy_arms(args, target, load_drafter(args.drafter, target=target), batches),
+        }  # fmt: skip
+        print(json.dumps({k: v for k, v in results_greedy.items() if k != "machine"}, indent=1))
+        if args.output:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(results_greedy, indent=1) + "\n")
+        return 0
     batches = _batches(args, target)
     results: dict[str, Any] = {
         "command": "python bench/objective_step_cost.py " + " ".join(argv or []),

@@ -1,0 +1,51 @@
+"""Batches of the target's own greedy text, with the cached pass the regenerated store keeps.
+
+At T = 0 the objectives that replay the drafter on greedy text (GTO's cached rewards,
+Draft-OPD's chain blocks, `decoding.replay`) read each text's features, final hidden states and
+argmax from the store instead of a target forward. Benches that measure those objectives build
+the same batches here: greedy answers generated in batches, then one teacher-forced pass per
+batch, in the collated layout of `data.datamodule.collate_records`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["greedy_text_batches"]
+
+
+def greedy_text_batches(
+    target: Any, prompts: list[list[int]], *, new_tokens: int, batch_size: int
+) -> list[dict[str, torch.Tensor]]:
+    """Batches of the target's greedy continuations with their cached teacher-forced pass."""
+    from lightning_spec.data.regenerate import greedy_answers
+
+    answers = greedy_answers(target, prompts, max_new_tokens=new_tokens, batch_size=8)
+    texts = [p + a for p, a in zip(prompts, answers, strict=True)]
+    batches = []
+    for begin in range(0, len(texts), batch_size):
+        chunk = texts[begin : begin + batch_size]
+        prompt_lengths = [len(p) for p in prompts[begin : begin + batch_size]]
+        width = max(len(t) for t in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        loss_mask = torch.zeros_like(ids)
+        for row, (text, plen) in enumerate(zip(chunk, prompt_lengths, strict=True)):
+            ids[row, : len(text)] = torch.tensor(text)
+            attention[row, : len(text)] = 1
+            loss_mask[row, plen : len(text)] = 1
+        with torch.no_grad():
+            output = target(ids, attention_mask=attention, output_features=True)
+        batches.append(
+            {
+                "input_ids": ids,
+                "attention_mask": attention,
+                "loss_mask": loss_mask,
+                "features": output.features,
+                "last_hidden": output.last_hidden,
+                "target_argmax": target.head_argmax(output.last_hidden),
+            }
+        )
+    return batches
