@@ -107,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ours", action="store_true", help="our decoder's tau at chain:K too")
+    parser.add_argument(
+        "--ours-from", type=Path, default=None,
+        help="reuse the 'ours' section of an earlier report of this bench (same drafter, "
+        "prompts and length) instead of decoding again",
+    )
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -126,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts += [list(ids) for ids, _ in items]
         origin += [name] * len(items)
     auto = args.n_max == "auto"
-    if auto and not args.ours:
-        parser.error("--n-max auto needs --ours (our decoder's per-depth acceptance)")
+    if auto and not (args.ours or args.ours_from):
+        parser.error("--n-max auto needs --ours or --ours-from (our decoder's per-depth acceptance)")
     n_maxes = [AUTO_DEPTH] if auto else [int(k) for k in _csv(args.n_max)]
     report: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
@@ -136,7 +141,16 @@ def main(argv: list[str] | None = None) -> int:
         "datasets": _csv(args.dataset), "max_new_tokens": args.max_new_tokens,
         "p_min": args.p_min, "per_type": {},
     }
-    if args.ours:
+    if args.ours_from is not None:
+        earlier = json.loads(args.ours_from.read_text())
+        same = (earlier.get("drafter_sha256") == drafter_sha and earlier.get("prompts") == len(prompts)
+                and earlier.get("max_new_tokens") == args.max_new_tokens
+                and earlier.get("datasets") == _csv(args.dataset))  # fmt: skip
+        if not same or "ours" not in earlier:
+            parser.error(f"--ours-from {args.ours_from}: not a report of this drafter, prompt set and length")
+        report["ours"] = earlier["ours"]
+        report["ours_from"] = str(args.ours_from)
+    elif args.ours:
         report["ours"] = {}
         for k in n_maxes:
             tic = time.perf_counter()
