@@ -101,6 +101,47 @@ def _tiny_drafter(assets: dict[str, str], root: Path) -> Path:
     return folder
 
 
+def _tiny_fit_metrics(
+    config: str, experiment: str, assets: dict[str, str], tmp_path: Path, data_args: list[str]
+) -> set[str]:
+    """`lightning-spec fit --config configs/<config>` for 2 steps on the tiny target and drafter
+    (`data_args`: the config's own data options); the metric names its MLflow run logged."""
+    from mlflow.tracking import MlflowClient
+
+    from lightning_spec.cli import main
+    from lightning_spec.tracking import default_tracking_uri
+
+    run = tmp_path / "run"
+    code = main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / config),
+            f"--model.init_args.target={assets['model']}",
+            f"--model.init_args.drafter_init={_tiny_drafter(assets, tmp_path)}",
+            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
+            f"--data.init_args.target={assets['model']}",
+            f"--data.init_args.dataset={assets['chats']}",
+            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+            "--data.init_args.val_fraction=0.2",
+            *data_args,
+            "--data.init_args.batch_size=2",
+            f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.run_dir={run}",
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.log_every_n_steps=1",
+        ]
+    )
+    assert code == 0
+    assert (run / "drafter" / "last" / "model.safetensors").is_file()
+    client = MlflowClient(tracking_uri=default_tracking_uri(run))
+    found_experiment = client.get_experiment_by_name(experiment)
+    (found,) = client.search_runs([found_experiment.experiment_id])
+    return set(found.data.metrics)
+
+
 def test_bad_config_fails_clearly(tmp_path: Path) -> None:
     from lightning_spec.cli import lightning_cli
 
@@ -201,42 +242,11 @@ def test_cli_fit_draft_opd_on_fresh_rollouts(
     """`lightning-spec fit --config configs/draft_opd*.yaml` end to end (tiny target and drafter,
     2 steps): rollouts by the real decoder, replay, the fresh rollouts' tau in MLflow (and, in
     the CPU mix, the token loss on the dataset rows)."""
-    from mlflow.tracking import MlflowClient
-
-    from lightning_spec.cli import main
-    from lightning_spec.tracking import default_tracking_uri
-
-    run = tmp_path / "run"
-    code = main(
-        [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / config),
-            f"--model.init_args.target={tiny_cli_assets['model']}",
-            f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
-            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
-            f"--data.init_args.target={tiny_cli_assets['model']}",
-            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
-            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
-            "--data.init_args.val_fraction=0.2",
-            "--data.init_args.rollout_prompts=2",
-            "--data.init_args.rollout_max_new_tokens=8",
-            "--data.init_args.rollout_tree=dynamic:2,2,4",
-            "--data.init_args.batch_size=2",
-            f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.run_dir={run}",
-            "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2",
-            "--trainer.limit_val_batches=1",
-            "--trainer.log_every_n_steps=1",
-        ]
-    )
-    assert code == 0
-    assert (run / "drafter" / "last" / "model.safetensors").is_file()
-    client = MlflowClient(tracking_uri=default_tracking_uri(run))
-    found_experiment = client.get_experiment_by_name(experiment)
-    (found,) = client.search_runs([found_experiment.experiment_id])
-    metrics = set(found.data.metrics)
+    metrics = _tiny_fit_metrics(
+        config, experiment, tiny_cli_assets, tmp_path,
+        ["--data.init_args.rollout_prompts=2", "--data.init_args.rollout_max_new_tokens=8",
+         "--data.init_args.rollout_tree=dynamic:2,2,4"],
+    )  # fmt: skip
     expected = {"train/loss", "train/loss_accepted", "rollout/rollout_tau", "val/tau"} | extra
     assert expected <= metrics, metrics
 
@@ -256,40 +266,9 @@ def test_cli_fit_draft_opd_and_its_control_on_the_same_greedy_texts(
     """`lightning-spec fit --config configs/{draft_opd_greedy,sft_same_texts}.yaml` end to end
     (tiny target and drafter, 2 steps): regenerated greedy texts with cached features, the
     reference's Draft-OPD (post-rejection suffix) and its SFT control on the same store."""
-    from mlflow.tracking import MlflowClient
-
-    from lightning_spec.cli import main
-    from lightning_spec.tracking import default_tracking_uri
-
-    run = tmp_path / "run"
-    code = main(
-        [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / config),
-            f"--model.init_args.target={tiny_cli_assets['model']}",
-            f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
-            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
-            f"--data.init_args.target={tiny_cli_assets['model']}",
-            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
-            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
-            "--data.init_args.val_fraction=0.2",
-            "--data.init_args.regenerate_max_new_tokens=12",
-            "--data.init_args.batch_size=2",
-            f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.run_dir={run}",
-            "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2",
-            "--trainer.limit_val_batches=1",
-            "--trainer.log_every_n_steps=1",
-        ]
+    metrics = _tiny_fit_metrics(
+        config, experiment, tiny_cli_assets, tmp_path, ["--data.init_args.regenerate_max_new_tokens=12"]
     )
-    assert code == 0
-    assert (run / "drafter" / "last" / "model.safetensors").is_file()
-    client = MlflowClient(tracking_uri=default_tracking_uri(run))
-    found_experiment = client.get_experiment_by_name(experiment)
-    (found,) = client.search_runs([found_experiment.experiment_id])
-    metrics = set(found.data.metrics)
     assert expected | {"val/tau", "replay/tau", "replay/error_fix_rate"} <= metrics, metrics
 
 
