@@ -3,6 +3,7 @@
     python bench/gto_sign_test.py --tiny --out bench/results/gto_sign_tiny.json
     python bench/gto_sign_test.py --drafter DIR --tree dynamic:6,10,32 --prompts 96 \
         --held-out 48 --steps 300 --omega 5 --lr 5e-5 --out bench/results/gto_sign_smollm2.json
+    python bench/gto_sign_test.py --drafter DIR --store configs/gto_greedy.yaml ...  # its texts
 
 Every arm starts from the same drafter (its frozen copy is the reference), sees the same
 batches and the same prefixes (the group generator is reset per batch), and trains with
@@ -63,6 +64,30 @@ def evaluate(
     return lengths, rewards
 
 
+def store_batches(config: Path, texts: int, *, batch_size: int) -> tuple[Any, list[dict]]:
+    """The first `texts` training texts of a fit config's data (a `regenerated` store: the
+    target's greedy answers with their cached pass, built once by `lightning-spec prepare`),
+    in `batch_size` batches, with the target that data module loaded."""
+    import importlib
+
+    import yaml
+
+    data = yaml.safe_load(Path(config).read_text())["data"]
+    module_name, _, name = data["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name)
+    datamodule = cls(**{**data.get("init_args", {}), "batch_size": batch_size, "progress": False})
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    batches = []
+    for batch in datamodule.train_dataloader():
+        if len(batches) * batch_size >= texts:
+            break
+        if "last_hidden" not in batch or batch["last_hidden"] is None:
+            raise ValueError(f"{config}: the store has no cached pass (feature_cache_bytes > 0)")
+        batches.append(batch)
+    return datamodule.target_model, batches
+
+
 def _paired(a: list[float], b: list[float]) -> dict[str, Any]:
     diffs = [x - y for x, y in zip(a, b, strict=True)]
     interval = bootstrap_ci(diffs)
@@ -90,6 +115,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm._common_step(batches[step % len(batches)]).loss.backward()
             optimizer.step()
         base = warm.drafter
+    elif args.store is not None:
+        from lightning_spec.models.drafters.base import load_drafter
+
+        tic = time.perf_counter()
+        target, batches = store_batches(
+            args.store, args.prompts + args.held_out, batch_size=args.batch_size
+        )
+        base = load_drafter(args.drafter, target=target)
+        print(f"store batches: {time.perf_counter() - tic:.0f} s", flush=True)
     else:
         from lightning_spec.models.drafters.base import load_drafter
         from lightning_spec.models.target import load_target
@@ -128,10 +162,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tic = time.perf_counter()
         for step in range(args.steps + 1):
             if step % args.eval_every == 0 or step == args.steps:
+                # the misalignment statistics cost more than the rewards: first and last only
+                # unless asked for at every evaluation
+                with_stats = args.stats == "every" or step in (0, args.steps)
                 train_stats: dict[str, float] = {}
                 held_stats: dict[str, float] = {}
-                tl, tr = evaluate(module, train, args.seed, train_stats)
-                hl, hr = evaluate(module, held_out, args.seed + 1000, held_stats)
+                tl, tr = evaluate(module, train, args.seed, train_stats if with_stats else None)
+                hl, hr = evaluate(
+                    module, held_out, args.seed + 1000, held_stats if with_stats else None
+                )
                 curve.append({
                     "step": step, "seconds": time.perf_counter() - tic,
                     "train_accept": sum(tl) / len(tl), "train_reward": sum(tr) / len(tr),
@@ -173,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--drafter", type=Path, default=None)
     parser.add_argument("--dataset", default="mtbench,humaneval")
+    parser.add_argument(
+        "--store", type=Path, default=None,
+        help="a fit config whose data (a regenerated store with its cached pass) supplies the "
+        "texts instead of --dataset: training and held-out texts are distinct store texts",
+    )  # fmt: skip
     parser.add_argument("--tree", default="dynamic:3,3,8")
     parser.add_argument("--prompts", type=int, default=16, help="training prompts")
     parser.add_argument("--held-out", type=int, default=8)
@@ -188,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jitter", type=float, default=0.003)
     parser.add_argument("--no-debias", action="store_true")
     parser.add_argument("--warm-steps", type=int, default=40, help="--tiny: token-loss warm start")
+    parser.add_argument(
+        "--stats", choices=("ends", "every"), default="ends",
+        help="misalignment statistics at the first and last evaluation, or at every one",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

@@ -358,3 +358,43 @@ def test_a_bad_rollout_tree_is_named() -> None:
         RolloutDataModule(mode="on_policy", rollout_tree="dynamic:2")
     with pytest.raises(ValueError, match="batch_size"):
         RolloutDataModule(batch_size=0)
+
+
+def test_prepare_builds_a_configs_store_once(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
+    """`lightning-spec prepare` builds the regenerated store (answers + cached pass) a fit with
+    the same arguments trains on, without training; run again, it finds the store complete and
+    writes nothing (so arms compared at equal budget do not pay for the data)."""
+    from lightning_spec.cli import main
+
+    cache = tmp_path / "cache"
+    args = [
+        "prepare",
+        "--config",
+        str(ROOT / "configs" / "sft_same_texts.yaml"),
+        f"--model.init_args.target={tiny_cli_assets['model']}",
+        f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
+        f"--model.init_args.cache_dir={cache}",
+        f"--data.init_args.target={tiny_cli_assets['model']}",
+        f"--data.init_args.dataset={tiny_cli_assets['chats']}",
+        f"--data.init_args.cache_dir={cache}",
+        "--data.init_args.max_conversations=12",
+        "--data.init_args.regenerate_max_new_tokens=8",
+        f"--trainer.default_root_dir={tmp_path / 'run'}",
+        f"--trainer.logger.init_args.run_dir={tmp_path / 'run'}",
+    ]
+    assert main(args) == 0
+    store = cache / "regenerated"
+
+    def written() -> dict[str, int]:  # the store's files and their times (not its lock file)
+        return {
+            p.name: p.stat().st_mtime_ns
+            for p in store.rglob("*")
+            if p.is_file() and not p.name.endswith(".lock")
+        }
+
+    files = written()
+    assert any(name.endswith(".jsonl") for name in files), "regenerated answers written"
+    assert any("feature" in str(p) for p in store.rglob("*")), "the cached pass written"
+    assert not (tmp_path / "run" / "checkpoints").exists(), "prepare does not train"
+    assert main(args) == 0
+    assert written() == files

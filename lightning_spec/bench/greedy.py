@@ -22,7 +22,7 @@ def greedy_text_batches(
     """Batches of the target's greedy continuations with their cached teacher-forced pass."""
     from lightning_spec.data.regenerate import greedy_answers
 
-    answers = greedy_answers(target, prompts, max_new_tokens=new_tokens, batch_size=8)
+    answers = greedy_answers(target, prompts, max_new_tokens=new_tokens, batch_size=32)
     texts = [p + a for p, a in zip(prompts, answers, strict=True)]
     batches = []
     for begin in range(0, len(texts), batch_size):

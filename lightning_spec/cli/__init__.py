@@ -3,7 +3,7 @@
 `fit`, `validate` and `test` are LightningCLI subcommands (configs use `class_path`/`init_args`,
 `${...}` interpolation resolved per file by OmegaConf at load time: a later command-line override
 does not flow into values interpolated from it). Tasks that are not Trainer-shaped (assets,
-generate, bench, calibrate, export, promote, relog) live in a small dispatcher in front of
+prepare, generate, bench, calibrate, export, promote, relog) live in a small dispatcher in front of
 LightningCLI, one module each in this package (`lightning_spec.cli.<name>`: its argparse parser
 and `main(argv) -> int`; the work itself is done elsewhere), imported only when called so
 `lightning-spec --help` answers fast.
@@ -19,6 +19,10 @@ from collections.abc import Sequence
 # name -> (module with `main(argv) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "assets": ("lightning_spec.cli.assets", "fetch and cache the default target and datasets"),
+    "prepare": (
+        "lightning_spec.cli.prepare",
+        "build a fit config's data (regeneration, feature cache) without training",
+    ),
     "generate": (
         "lightning_spec.cli.generate",
         "answer one prompt with speculative decoding (tau, greedy check)",
