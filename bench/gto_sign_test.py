@@ -104,9 +104,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
         generator = torch.Generator().manual_seed(4)
-        prompts = [torch.randint(3, 128, (6,), generator=generator).tolist() for _ in range(args.prompts + args.held_out)]
+        prompts = [
+            torch.randint(3, 128, (6,), generator=generator).tolist()
+            for _ in range(args.prompts + args.held_out)
+        ]
         base = Eagle3Drafter.from_target(target, intermediate_size=64)
-        batches = greedy_text_batches(target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size)
+        batches = greedy_text_batches(
+            target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size
+        )
         # a head trained on the texts with the token loss alone: drafts accepted part of the time
         warm = GroupTreeOptimization.from_objects(target, base, tree=args.tree, ttt_steps=2)
         optimizer = torch.optim.Adam(warm.drafter.parameters(), lr=3e-3)
@@ -139,25 +144,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         order = torch.randperm(len(prompts), generator=generator).tolist()
         prompts = [prompts[i] for i in order[: args.prompts + args.held_out]]
         tic = time.perf_counter()
-        batches = greedy_text_batches(target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size)
+        batches = greedy_text_batches(
+            target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size
+        )
         print(f"greedy texts and cached passes: {time.perf_counter() - tic:.0f} s", flush=True)
     split = args.prompts // args.batch_size
     train, held_out = batches[:split], batches[split:]
-    report: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "arms": {}}
+    report: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "args": vars(args),
+        "arms": {},
+    }
     finals: dict[float, dict[str, list]] = {}
     for omega in (args.omega, 0.0, -args.omega):
         drafter = copy.deepcopy(base)
         module = GroupTreeOptimization.from_objects(
-            target, drafter, tree=args.tree, group_size=args.group_size, groups=args.groups,
-            ttt_steps=2 if args.tiny else 3, omega=omega, token_weight=args.token_weight,
-            debias=not args.no_debias, seed=args.seed,
+            target,
+            drafter,
+            tree=args.tree,
+            group_size=args.group_size,
+            groups=args.groups,
+            ttt_steps=2 if args.tiny else 3,
+            omega=omega,
+            token_weight=args.token_weight,
+            debias=not args.no_debias,
+            seed=args.seed,
         )
         if args.jitter:
             noise = torch.Generator().manual_seed(args.seed + 17)
             with torch.no_grad():
                 for p in module.drafter.parameters():
                     p.add_(args.jitter * torch.randn(p.shape, generator=noise))
-        optimizer = torch.optim.AdamW(module.drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(
+            module.drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0
+        )
         curve = []
         tic = time.perf_counter()
         for step in range(args.steps + 1):
@@ -171,15 +191,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 hl, hr = evaluate(
                     module, held_out, args.seed + 1000, held_stats if with_stats else None
                 )
-                curve.append({
-                    "step": step, "seconds": time.perf_counter() - tic,
-                    "train_accept": sum(tl) / len(tl), "train_reward": sum(tr) / len(tr),
-                    "heldout_accept": sum(hl) / len(hl), "heldout_reward": sum(hr) / len(hr),
-                    **{f"train_{k}": v for k, v in train_stats.items()},
-                    **{f"heldout_{k}": v for k, v in held_stats.items()},
-                })
+                curve.append(
+                    {
+                        "step": step,
+                        "seconds": time.perf_counter() - tic,
+                        "train_accept": sum(tl) / len(tl),
+                        "train_reward": sum(tr) / len(tr),
+                        "heldout_accept": sum(hl) / len(hl),
+                        "heldout_reward": sum(hr) / len(hr),
+                        **{f"train_{k}": v for k, v in train_stats.items()},
+                        **{f"heldout_{k}": v for k, v in held_stats.items()},
+                    }
+                )
                 print(f"omega {omega:+g} step {step}: {curve[-1]}", flush=True)
-                finals[omega] = {"train": tl, "heldout": hl, "train_reward": tr, "heldout_reward": hr}
+                finals[omega] = {
+                    "train": tl,
+                    "heldout": hl,
+                    "train_reward": tr,
+                    "heldout_reward": hr,
+                }
             if step == args.steps:
                 break
             index = step % len(train)

@@ -267,7 +267,11 @@ def test_cli_fit_draft_opd_and_its_control_on_the_same_greedy_texts(
     (tiny target and drafter, 2 steps): regenerated greedy texts with cached features, the
     reference's Draft-OPD (post-rejection suffix) and its SFT control on the same store."""
     metrics = _tiny_fit_metrics(
-        config, experiment, tiny_cli_assets, tmp_path, ["--data.init_args.regenerate_max_new_tokens=12"]
+        config,
+        experiment,
+        tiny_cli_assets,
+        tmp_path,
+        ["--data.init_args.regenerate_max_new_tokens=12"],
     )
     assert expected | {"val/tau", "replay/tau", "replay/error_fix_rate"} <= metrics, metrics
 
@@ -360,7 +364,9 @@ def test_a_bad_rollout_tree_is_named() -> None:
         RolloutDataModule(batch_size=0)
 
 
-def test_prepare_builds_a_configs_store_once(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
+def test_prepare_builds_a_configs_store_once(
+    tiny_cli_assets: dict[str, str], tmp_path: Path
+) -> None:
     """`lightning-spec prepare` builds the regenerated store (answers + cached pass) a fit with
     the same arguments trains on, without training; run again, it finds the store complete and
     writes nothing (so arms compared at equal budget do not pay for the data)."""
