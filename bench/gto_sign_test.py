@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lightning_spec.bench.greedy import greedy_text_batches
+from lightning_spec.bench.greedy import greedy_text_batches, store_text_batches
 from lightning_spec.io import atomic_write_json
 from lightning_spec.stats import bootstrap_ci
 
@@ -62,30 +62,6 @@ def evaluate(
     if stats is not None and weight:
         stats.update({k: v / weight for k, v in sums.items()})
     return lengths, rewards
-
-
-def store_batches(config: Path, texts: int, *, batch_size: int) -> tuple[Any, list[dict]]:
-    """The first `texts` training texts of a fit config's data (a `regenerated` store: the
-    target's greedy answers with their cached pass, built once by `lightning-spec prepare`),
-    in `batch_size` batches, with the target that data module loaded."""
-    import importlib
-
-    import yaml
-
-    data = yaml.safe_load(Path(config).read_text())["data"]
-    module_name, _, name = data["class_path"].rpartition(".")
-    cls = getattr(importlib.import_module(module_name), name)
-    datamodule = cls(**{**data.get("init_args", {}), "batch_size": batch_size, "progress": False})
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    batches = []
-    for batch in datamodule.train_dataloader():
-        if len(batches) * batch_size >= texts:
-            break
-        if "last_hidden" not in batch or batch["last_hidden"] is None:
-            raise ValueError(f"{config}: the store has no cached pass (feature_cache_bytes > 0)")
-        batches.append(batch)
-    return datamodule.target_model, batches
 
 
 def _paired(a: list[float], b: list[float]) -> dict[str, Any]:
@@ -124,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from lightning_spec.models.drafters.base import load_drafter
 
         tic = time.perf_counter()
-        target, batches = store_batches(
+        target, batches = store_text_batches(
             args.store, args.prompts + args.held_out, batch_size=args.batch_size
         )
         base = load_drafter(args.drafter, target=target)

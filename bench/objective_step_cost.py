@@ -9,6 +9,7 @@ and tree rows/s through `score_trees_target`).
     python bench/objective_step_cost.py --drafter DIR --tree dynamic:2,8,8 --steps 10 \\
         --output bench/results/smollm2_objective_step_cost.json
 
+``--store CONFIG`` (a fit config whose regenerated store `lightning-spec prepare` built) or
 ``--greedy-texts N`` times the T = 0 objectives on the target's own greedy answers to N ShareGPT
 prompts instead (their features, final hidden states and argmax cached, as the regenerated
 store serves them): SFT, GTO with rewards from the cached pass (``cached_rewards``), GTO scoring
@@ -74,6 +75,14 @@ def _greedy_batches(args: argparse.Namespace, target: Any) -> list[dict]:
     )
 
 
+def _store_batches(args: argparse.Namespace) -> tuple[Any, list[dict]]:
+    """The training batches of a fit config's regenerated store (`--store`)."""
+    from lightning_spec.bench.greedy import store_text_batches
+
+    count = (args.warmup + args.steps) * args.batch_size
+    return store_text_batches(args.store, count, batch_size=args.batch_size)
+
+
 def _time_loss(module: Any, batches: list[dict], warmup: int, loss_of: Any) -> dict[str, Any]:
     """Seconds per optimizer step of `loss_of(module, batch)` (any objective's loss)."""
     optimizer = torch.optim.AdamW(
@@ -111,7 +120,10 @@ def _greedy_arms(args: argparse.Namespace, target: Any, drafter: Any, batches: l
         )  # fmt: skip
 
     def gto_loss(module: Any, batch: dict) -> Any:
-        return module._common_step(batch).loss + float(module.hparams.omega) * module.gto_term(batch).loss
+        return (
+            module._common_step(batch).loss
+            + float(module.hparams.omega) * module.gto_term(batch).loss
+        )
 
     arms: dict[str, Any] = {}
     sft = EagleSFT.from_objects(target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps)
@@ -122,7 +134,9 @@ def _greedy_arms(args: argparse.Namespace, target: Any, drafter: Any, batches: l
         target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps, chain=args.chain,
         prepack_target=True,
     )  # fmt: skip
-    arms["draft_opd_suffix"] = _time_loss(opd, batches, args.warmup, lambda m, b: m.opd_loss(b)["loss"])
+    arms["draft_opd_suffix"] = _time_loss(
+        opd, batches, args.warmup, lambda m, b: m.opd_loss(b)["loss"]
+    )
     for name in ("gto_cached", "gto_scored", "draft_opd_suffix"):
         arms[f"{name}_over_sft"] = (
             arms[name]["seconds_per_step_median"] / arms["sft"]["seconds_per_step_median"]
@@ -171,19 +185,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy-texts", type=int, default=0,
                         help="N > 0: time the T = 0 objectives on N greedy answers (module doc)")  # fmt: skip
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--store", type=Path, default=None,
+        help="time the T = 0 objectives on a fit config's regenerated store (the batches that "
+        "config trains on, built by `lightning-spec prepare`) instead of --greedy-texts",
+    )  # fmt: skip
     parser.add_argument("--chain", type=int, default=6, help="Draft-OPD's drafts per block")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = machine_info("fp32")
-    target = load_target(args.target)
-    if args.greedy_texts > 0:
+    if args.store is not None:
+        target, batches = _store_batches(args)
+    else:
+        target = load_target(args.target)
+    if args.store is None and args.greedy_texts > 0:
         batches = _greedy_batches(args, target)[: args.warmup + args.steps]
+    if args.store is not None or args.greedy_texts > 0:
         results_greedy: dict[str, Any] = {
             "command": "python bench/objective_step_cost.py " + " ".join(argv or sys.argv[1:]),
             "commit": git_commit(), "machine": machine, "drafter": str(args.drafter),
             "drafter_sha256": sha256_file(args.drafter / "model.safetensors"),
             "tree": args.tree, "chain": args.chain, "batch_size": args.batch_size,
             "greedy_texts": args.greedy_texts, "new_tokens": args.new_tokens,
+            "store": str(args.store) if args.store else None, "groups": args.groups,
+            "group_size": args.group_size,
             **_greedy_arms(args, target, load_drafter(args.drafter, target=target), batches),
         }  # fmt: skip
         print(json.dumps({k: v for k, v in results_greedy.items() if k != "machine"}, indent=1))

@@ -404,3 +404,33 @@ def test_prepare_builds_a_configs_store_once(
     assert not (tmp_path / "run" / "checkpoints").exists(), "prepare does not train"
     assert main(args) == 0
     assert written() == files
+
+
+def test_store_text_batches_are_the_configs_batches_with_the_targets_pass(
+    tiny_cli_assets: dict[str, str], tmp_path: Path
+) -> None:
+    """The benches' `store_text_batches` reads a config's regenerated store: texts the target
+    answered, with a cached argmax equal to the target's own on those texts."""
+    import torch
+
+    from lightning_spec.bench.greedy import store_text_batches
+
+    config = yaml.safe_load((ROOT / "configs" / "gto_greedy.yaml").read_text())
+    config["data"]["init_args"].update(
+        target=tiny_cli_assets["model"],
+        dataset=tiny_cli_assets["chats"],
+        cache_dir=str(tmp_path / "data"),
+        max_conversations=10,
+        regenerate_max_new_tokens=8,
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    target, batches = store_text_batches(path, 4, batch_size=2)
+    assert len(batches) == 2 and all(b["input_ids"].shape[0] == 2 for b in batches)
+    for batch in batches:
+        assert int(batch["loss_mask"].sum()) > 0
+        with torch.no_grad():
+            output = target(batch["input_ids"], attention_mask=batch["attention_mask"])
+        live = batch["attention_mask"].bool()
+        expected = target.head_argmax(output.last_hidden)
+        assert torch.equal(batch["target_argmax"][live], expected[live])
