@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         cache = config.get("replay_cache") or Path(config["out_dir"]).parent / "continuations.jsonl"
         continuations = stream_continuations(
             target, requests, max_new_tokens=int(config["max_new_tokens"]), cache=cache,
-            batch_size=int(config.get("replay_batch", 8)),
+            batch_size=int(config.get("replay_batch", 32)),
         )
     options = {k: v for k, v in config["strategy"].items() if k != "name"}
     try:

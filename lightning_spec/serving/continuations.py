@@ -62,7 +62,7 @@ def stream_continuations(
     *,
     max_new_tokens: int,
     cache: str | Path,
-    batch_size: int = 8,
+    batch_size: int = 32,
     progress: bool = True,
 ) -> list[list[int]]:
     """The greedy answer of every request (`Request`: ``id``, ``prompt``), cut to its batch-1
