@@ -20,6 +20,14 @@ CONFIGS = [p for p in ALL_CONFIGS if "model" in (yaml.safe_load(p.read_text()) o
 ONLINE_CONFIGS = [p for p in ALL_CONFIGS if p not in CONFIGS]
 
 
+@pytest.fixture(autouse=True)
+def _run_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The configs name relative run folders (`runs/<name>/checkpoints`, the MLflow store):
+    run from a temporary folder so a test never writes checkpoints where a real run of the
+    same config would resume from them."""
+    monkeypatch.chdir(tmp_path)
+
+
 def test_there_are_configs() -> None:
     names = {path.name for path in CONFIGS}
     assert {"quickstart.yaml", "sft_eagle3.yaml"} <= names
