@@ -64,6 +64,19 @@ def evaluate(
     return lengths, rewards
 
 
+def _term_grad_norms(module: Any, terms: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The drafter's gradient norm under each loss term alone (graphs kept for the step)."""
+    params = [p for p in module.drafter.parameters() if p.requires_grad]
+    norms = {}
+    for name, term in terms.items():
+        if not term.requires_grad:
+            norms[name] = 0.0
+            continue
+        grads = torch.autograd.grad(term, params, retain_graph=True, allow_unused=True)
+        norms[name] = float(torch.sqrt(sum((g**2).sum() for g in grads if g is not None)))
+    return norms
+
+
 def _paired(a: list[float], b: list[float]) -> dict[str, Any]:
     diffs = [x - y for x, y in zip(a, b, strict=True)]
     interval = bootstrap_ci(diffs)
@@ -155,6 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             module.drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0
         )
         curve = []
+        norms: list[dict[str, float]] = []
         tic = time.perf_counter()
         for step in range(args.steps + 1):
             if step % args.eval_every == 0 or step == args.steps:
@@ -193,6 +207,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             module._generator.manual_seed(args.seed + index)  # the same prefixes in every arm
             token = module._common_step(batch) if args.token_weight > 0 else None
             gto = module.gto_term(batch)
+            if token is not None and omega != 0 and step % args.eval_every == 0:
+                # does L_GTO dominate? the two terms' gradient norms, at every evaluation
+                norms.append(
+                    {"step": step, "advantage_nonzero": float(gto.loss.detach() != 0),
+                     **_term_grad_norms(module, {"gto": omega * gto.loss,
+                                                 "token": args.token_weight * token.loss})}
+                )  # fmt: skip
             loss = omega * gto.loss + (args.token_weight * token.loss if token is not None else 0.0)
             optimizer.zero_grad()
             if loss.requires_grad:
@@ -200,6 +221,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 torch.nn.utils.clip_grad_norm_(module.drafter.parameters(), 0.5)
                 optimizer.step()
         report["arms"][f"{omega:+g}"] = curve
+        if norms:
+            report.setdefault("grad_norms", {})[f"{omega:+g}"] = norms
     plus, zero, minus = finals[args.omega], finals[0.0], finals[-args.omega]
     report["paired"] = {
         f"{split}_{what}": {
