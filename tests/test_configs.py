@@ -109,6 +109,21 @@ def _tiny_drafter(assets: dict[str, str], root: Path) -> Path:
     return folder
 
 
+def _tiny_run_args(assets: dict[str, str], tmp_path: Path, run: Path) -> list[str]:
+    """Overrides that point a SmolLM2 config at the tiny target, a tiny drafter, the tiny chats
+    and folders under `tmp_path` (`run` for the run's own files)."""
+    return [
+        f"--model.init_args.target={assets['model']}",
+        f"--model.init_args.drafter_init={_tiny_drafter(assets, tmp_path)}",
+        f"--model.init_args.cache_dir={tmp_path / 'cache'}",
+        f"--data.init_args.target={assets['model']}",
+        f"--data.init_args.dataset={assets['chats']}",
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.run_dir={run}",
+    ]
+
+
 def _tiny_fit_metrics(
     config: str, experiment: str, assets: dict[str, str], tmp_path: Path, data_args: list[str]
 ) -> set[str]:
@@ -125,17 +140,10 @@ def _tiny_fit_metrics(
             "fit",
             "--config",
             str(ROOT / "configs" / config),
-            f"--model.init_args.target={assets['model']}",
-            f"--model.init_args.drafter_init={_tiny_drafter(assets, tmp_path)}",
-            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
-            f"--data.init_args.target={assets['model']}",
-            f"--data.init_args.dataset={assets['chats']}",
-            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+            *_tiny_run_args(assets, tmp_path, run),
             "--data.init_args.val_fraction=0.2",
             *data_args,
             "--data.init_args.batch_size=2",
-            f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.run_dir={run}",
             "--trainer.max_steps=2",
             "--trainer.val_check_interval=2",
             "--trainer.limit_val_batches=1",
@@ -211,17 +219,10 @@ def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_
             "fit",
             "--config",
             str(ROOT / "configs" / "gto.yaml"),
-            f"--model.init_args.target={tiny_cli_assets['model']}",
-            f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
+            *_tiny_run_args(tiny_cli_assets, tmp_path, run),
             "--model.init_args.tree=dynamic:2,2,4",
             "--model.init_args.group_size=2",
-            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
-            f"--data.init_args.target={tiny_cli_assets['model']}",
-            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
-            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
             "--data.init_args.val_fraction=0.2",
-            f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.run_dir={run}",
             "--trainer.max_steps=2",
             "--trainer.val_check_interval=2",
             "--trainer.limit_val_batches=1",
@@ -380,24 +381,16 @@ def test_prepare_builds_a_configs_store_once(
     writes nothing (so arms compared at equal budget do not pay for the data)."""
     from lightning_spec.cli import main
 
-    cache = tmp_path / "cache"
     args = [
         "prepare",
         "--config",
         str(ROOT / "configs" / "sft_same_texts.yaml"),
-        f"--model.init_args.target={tiny_cli_assets['model']}",
-        f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}",
-        f"--model.init_args.cache_dir={cache}",
-        f"--data.init_args.target={tiny_cli_assets['model']}",
-        f"--data.init_args.dataset={tiny_cli_assets['chats']}",
-        f"--data.init_args.cache_dir={cache}",
+        *_tiny_run_args(tiny_cli_assets, tmp_path, tmp_path / "run"),
         "--data.init_args.max_conversations=12",
         "--data.init_args.regenerate_max_new_tokens=8",
-        f"--trainer.default_root_dir={tmp_path / 'run'}",
-        f"--trainer.logger.init_args.run_dir={tmp_path / 'run'}",
     ]
     assert main(args) == 0
-    store = cache / "regenerated"
+    store = tmp_path / "cache" / "regenerated"
 
     def written() -> dict[str, int]:  # the store's files and their times (not its lock file)
         return {
@@ -409,7 +402,8 @@ def test_prepare_builds_a_configs_store_once(
     files = written()
     assert any(name.endswith(".jsonl") for name in files), "regenerated answers written"
     assert any("feature" in str(p) for p in store.rglob("*")), "the cached pass written"
-    assert not (tmp_path / "run" / "checkpoints").exists(), "prepare does not train"
+    # the config's checkpoint folder is relative (runs/...), so any checkpoint lands under tmp
+    assert not list(tmp_path.rglob("*.ckpt")), "prepare does not train"
     assert main(args) == 0
     assert written() == files
 
