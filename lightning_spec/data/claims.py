@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lightning_spec.io import atomic_write_json
+from lightning_spec.io import atomic_write_json, remove_stale
 
 T = TypeVar("T")
 
@@ -72,6 +72,9 @@ class WorkClaims:
         return data if isinstance(data, dict) else {}
 
     def write(self, claims: dict[str, dict[str, Any]]) -> None:
+        """Replace the claims file (lock held). Every writer writes under the store lock, so a
+        temporary of this file already there was left by a writer killed mid-write: removed."""
+        remove_stale(self.path.parent, contains=f".{self.path.name}.tmp-")
         atomic_write_json(self.path, claims)
 
     def _entry(self, now: float) -> dict[str, Any]:

@@ -32,6 +32,21 @@ def test_claims_are_exclusive_until_done_or_released(tmp_path: Path) -> None:
     assert first.claim(["a", "b"]) == []  # a is done, b is second's
 
 
+def test_a_claims_temporary_left_by_a_killed_writer_goes_with_the_next_write(
+    tmp_path: Path,
+) -> None:
+    """A writer killed inside the atomic write leaves `.claims.json.tmp-*`; the next write
+    (under the same lock) removes it, and spares other files' temporaries."""
+    stale = tmp_path / f".{CLAIMS}.tmp-0123abcd.json"
+    stale.write_text("{")
+    other = tmp_path / ".shard-r000-000001.jsonl.tmp-89abcdef.jsonl"
+    other.write_text("")
+    claims = _claims(tmp_path)
+    assert claims.claim(["a"]) == ["a"]
+    assert not stale.exists() and other.exists()
+    assert json.loads((tmp_path / CLAIMS).read_text())["a"]["by"] == claims.owner
+
+
 def test_claims_of_a_dead_process_are_taken_over(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
