@@ -129,16 +129,28 @@ def attend_blocks(q: Tensor, blocks: list[tuple[Tensor, Tensor]], mask: Tensor) 
     if mask.dim() == 2:
         mask = mask.unsqueeze(0)
     qg = q.view(batch, kv_heads, groups, length, dim)
-    scores = torch.cat([qg @ k.transpose(-1, -2).unsqueeze(2) for k, _ in blocks], dim=-1)
+    scores = torch.cat([_per_head(qg, k.transpose(-1, -2)) for k, _ in blocks], dim=-1)
     scores = (scores * dim**-0.5).masked_fill(~mask[:, None, None], float("-inf"))
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [B, Hkv, g, T, sum L]
     out = None
     start = 0
     for _, v in blocks:
-        part = weights[..., start : start + v.shape[2]] @ v.unsqueeze(2)
+        part = _per_head(weights[..., start : start + v.shape[2]], v)
         out = part if out is None else out + part
         start += v.shape[2]
     return out.reshape(batch, heads, length, dim)
+
+
+def _per_head(x: Tensor, y: Tensor) -> Tensor:
+    """x [B, Hkv, g, T, A] @ y [B|1, Hkv, A, C] -> [B, Hkv, g, T, C]. A batch-1 `y` (a shared
+    prefix) is multiplied once per head with the B rows stacked, not broadcast: a broadcast
+    matmul copies `y` B times (GTO's 128 trees over one 320-token prefix: 140 MB a call)."""
+    if y.shape[0] == 1 and x.shape[0] > 1:
+        batch, heads, groups, length, inner = x.shape
+        rows = x.transpose(0, 1).reshape(heads, batch * groups * length, inner)
+        out = torch.bmm(rows, y[0])  # [Hkv, B * g * T, C]
+        return out.view(heads, batch, groups, length, -1).transpose(0, 1)
+    return x @ y.unsqueeze(2)
 
 
 class GatedMLP(nn.Module):
