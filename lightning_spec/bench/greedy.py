@@ -4,7 +4,7 @@ At T = 0 the objectives that replay the drafter on greedy text (GTO's cached rew
 Draft-OPD's chain blocks, `decoding.replay`) read each text's features, final hidden states and
 argmax from the store instead of a target forward. Benches that measure those objectives build
 the same batches here: greedy answers generated in batches, then one teacher-forced pass per
-batch, in the collated layout of `data.datamodule.collate_records`.
+batch, in the collated layout of `data.tables.collate_records`.
 """
 
 from __future__ import annotations

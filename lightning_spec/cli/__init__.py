@@ -137,7 +137,7 @@ def is_user_error(error: BaseException) -> bool:
     """Errors that describe the user's input or environment and say what to do: shown as a
     message. Anything else (a bug, an interrupted run) keeps its traceback."""
     from lightning_spec.data.assets import AssetError
-    from lightning_spec.data.rollouts import StoreError
+    from lightning_spec.data.shards import StoreError
     from lightning_spec.io import LockTimeout
     from lightning_spec.tracking.logger import TrackingUnavailableError
 

@@ -32,360 +32,37 @@ hidden state, cached with the features), ``source`` (list[str]) and ``ids`` (lis
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import time
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
-import torch
-from torch import Tensor
-from torch.utils.data import BatchSampler, DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from lightning_spec.data.on_policy import OnPolicyBuffer, OnPolicyTable, collate_steps
-from lightning_spec.data.rollouts import (
-    RolloutRecord,
-    RolloutStore,
-    StoreError,
-    tokenizer_fingerprint,
+from lightning_spec.data.on_policy import (
+    OnPolicyBuffer,
+    OnPolicyRollouts,
+    OnPolicyTable,
+    RolloutSettings,
 )
+from lightning_spec.data.preparation import DataStores, StoreSettings
+from lightning_spec.data.rollouts import RolloutStore
+from lightning_spec.data.sampling import (
+    EpochPlan,
+    EpochTracker,
+    LengthBucketBatchSampler,
+    ResumableDataLoader,
+    SamplerPosition,
+)
+from lightning_spec.data.tables import BatchCollate, Entry, RecordTable, prompt_of, split_ids
+
+__all__ = ["MODES", "RolloutDataModule", "resolve_target_source"]
 
 log = logging.getLogger(__name__)
 
 MODES = ("dataset", "regenerated", "mixture", "on_policy")
-Entry = tuple[RolloutRecord, Tensor | None, Tensor | None, Tensor | None]
-"""A record with its cached features [T, F], final hidden states [T, H] and target argmax [T]
-(None if absent)."""
 DEFAULT_RECORDS_PER_SHARD = 256
-#: Target specs naming the embedded default (SmolLM2-135M-Instruct from its pinned asset).
-EMBEDDED_TARGETS = ("smollm2", "default")
-
-
-# --------------------------------------------------------------------------------------------
-# Split, tables, datasets
-# --------------------------------------------------------------------------------------------
-
-
-def id_unit(conversation_id: str) -> float:
-    """A uniform number in [0, 1) from the id alone (sha256): the same in every run and mode."""
-    digest = hashlib.sha256(conversation_id.encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0**64
-
-
-def split_ids(ids: Sequence[str], val_fraction: float) -> tuple[set[str], set[str]]:
-    """Train and validation ids: validation holds the ids whose :func:`id_unit` falls below
-    ``val_fraction`` (at least one id when ``val_fraction > 0`` and there are two or more)."""
-    unique = sorted(set(ids))
-    val = {i for i in unique if id_unit(i) < val_fraction}
-    if val_fraction > 0 and not val and len(unique) > 1:
-        val = {min(unique, key=id_unit)}
-    return set(unique) - val, val
-
-
-class RecordTable(Dataset):
-    """Records held as flat numpy arrays (cheap to fork into loader workers), one item each.
-
-    ``features[i]`` is the cached fp16 ``[T_i, F]`` target features of item i, or None, and
-    ``last_hidden[i]`` its cached ``[T_i, H]`` final hidden states, or None.
-    """
-
-    def __init__(
-        self,
-        records: Sequence[RolloutRecord],
-        features: Sequence[Tensor | None] = (),
-        last_hidden: Sequence[Tensor | None] = (),
-        target_argmax: Sequence[Tensor | None] = (),
-    ) -> None:
-        self.ids = [r.id for r in records]
-        self.sources = [r.source for r in records]
-        self.lengths = np.array([len(r) for r in records], dtype=np.int64)
-        self.offsets = np.zeros(len(records) + 1, dtype=np.int64)
-        np.cumsum(self.lengths, out=self.offsets[1:])
-        total = int(self.offsets[-1])
-        self.input_ids = np.fromiter(
-            (t for r in records for t in r.input_ids), dtype=np.int64, count=total
-        )
-        self.loss_mask = np.fromiter(
-            (m for r in records for m in r.loss_mask), dtype=np.uint8, count=total
-        )
-        self.features = list(features) if features else [None] * len(records)
-        self.last_hidden = list(last_hidden) if last_hidden else [None] * len(records)
-        self.target_argmax = list(target_argmax) if target_argmax else [None] * len(records)
-        if {len(self.features), len(self.last_hidden), len(self.target_argmax)} != {len(records)}:
-            raise ValueError(
-                "one features, last_hidden and target_argmax entry (or None) per record"
-            )
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        lo, hi = int(self.offsets[index]), int(self.offsets[index + 1])
-        return {
-            "id": self.ids[index],
-            "source": self.sources[index],
-            "input_ids": torch.from_numpy(self.input_ids[lo:hi].copy()),
-            "loss_mask": torch.from_numpy(self.loss_mask[lo:hi].astype(np.int64)),
-            "features": self.features[index],
-            "last_hidden": self.last_hidden[index],
-            "target_argmax": self.target_argmax[index],
-        }
-
-
-def collate_records(rows: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
-    """Right-pad rows into the batch contract (see the module docstring)."""
-    if not rows:
-        raise ValueError("cannot collate an empty batch")
-    width = max(int(r["input_ids"].shape[0]) for r in rows)
-    batch_size = len(rows)
-    input_ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
-    loss_mask = torch.zeros((batch_size, width), dtype=torch.long)
-    for row, item in enumerate(rows):
-        length = int(item["input_ids"].shape[0])
-        input_ids[row, :length] = item["input_ids"]
-        attention_mask[row, :length] = 1
-        loss_mask[row, :length] = item["loss_mask"]
-    batch: dict[str, Any] = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-    }
-    features = _stack_cached(rows, "features", width)
-    if features is not None:
-        batch["features"] = features
-        last_hidden = _stack_cached(rows, "last_hidden", width)
-        if last_hidden is not None:
-            batch["last_hidden"] = last_hidden
-            argmax = [r.get("target_argmax") for r in rows]
-            if all(a is not None for a in argmax):
-                ids = torch.zeros((batch_size, width), dtype=torch.long)
-                for row, values in enumerate(argmax):
-                    length = min(int(values.shape[0]), width)
-                    ids[row, :length] = values[:length].long()
-                batch["target_argmax"] = ids
-    batch["source"] = [str(r["source"]) for r in rows]
-    batch["ids"] = [str(r["id"]) for r in rows]
-    return batch
-
-
-def _stack_cached(rows: Sequence[dict[str, Any]], key: str, width: int) -> Tensor | None:
-    """Zero-padded float32 ``[B, width, D]`` of a cached per-token tensor, or None unless every
-    row has it (a batch is all offline or all online; mixed rows go online)."""
-    cached = [r.get(key) for r in rows]
-    if not cached or any(c is None for c in cached):
-        return None
-    out = torch.zeros((len(rows), width, int(cached[0].shape[-1])), dtype=torch.float32)
-    for row, values in enumerate(cached):
-        length = min(int(values.shape[0]), int(rows[row]["input_ids"].shape[0]))
-        out[row, :length] = values[:length].float()
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Sampling
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class EpochTracker:
-    """Holds the epoch (Lightning calls ``set_epoch`` on ``batch_sampler.sampler``) and this
-    process's place among the ranks when Lightning does not inject a DistributedSampler."""
-
-    num_replicas: int = 1
-    rank: int = 0
-    epoch: int = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
-
-    def __iter__(self) -> Iterator[int]:  # a Sampler shape; never iterated for indices
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-@dataclass
-class SamplerPosition:
-    """Shared, mutable position of the training sampler: where the current epoch stands and
-    where a restored run must continue. One object survives Lightning re-creating the sampler
-    (its init arguments are kept by reference)."""
-
-    epoch: int = 0
-    drawn: int = 0
-    resume_epoch: int | None = None
-    resume_batches: int = 0
-
-    def first_epoch(self, batches_per_epoch: int) -> int | None:
-        """The epoch a restored run iterates first (None when nothing was restored): the saved
-        one, or the next when the saved epoch had been fully consumed."""
-        if self.resume_epoch is None:
-            return None
-        return self.resume_epoch + int(self.resume_batches >= batches_per_epoch)
-
-
-class EpochPlan:
-    """Which items an epoch serves: all of them, or, for a mixture, one version per group."""
-
-    def __init__(
-        self,
-        num_items: int,
-        groups: Sequence[tuple[int, int]] | None = None,
-        regenerated_fraction: float = 0.5,
-        seed: int = 0,
-        vary_with_epoch: bool = True,
-    ) -> None:
-        self.num_items = num_items
-        self.groups = np.asarray(groups, dtype=np.int64) if groups is not None else None
-        self.fraction = float(regenerated_fraction)
-        self.seed = int(seed)
-        self.vary_with_epoch = vary_with_epoch
-
-    def __len__(self) -> int:
-        return self.num_items if self.groups is None else len(self.groups)
-
-    def items(self, epoch: int) -> np.ndarray:
-        """Item indices of ``epoch`` (unordered); groups are ``(dataset, regenerated)`` pairs
-        with -1 where a version is missing. Validation plans draw once (epoch 0) so that
-        validation losses stay comparable across epochs."""
-        if self.groups is None:
-            return np.arange(self.num_items)
-        epoch = epoch if self.vary_with_epoch else 0
-        rng = np.random.default_rng([self.seed, epoch, 0x6D6978])
-        draw = rng.random(len(self.groups)) < self.fraction
-        dataset, regenerated = self.groups[:, 0], self.groups[:, 1]
-        use_regen = (draw & (regenerated >= 0)) | (dataset < 0)
-        return np.where(use_regen, regenerated, dataset)
-
-
-class LengthBucketBatchSampler(BatchSampler):
-    """Batches of similar lengths whose order depends on (seed, epoch) only.
-
-    Per epoch: shuffle the epoch's items with a generator seeded by (seed, epoch), cut them into
-    chunks of ``batch_size * bucket_batches``, sort each chunk by length, cut it into batches and
-    shuffle the batches. Without shuffling, batches are consecutive runs of the length-sorted
-    items. Under DDP the epoch is cut into global batches of ``batch_size * W`` (as one process
-    with that batch size would cut it) and rank r takes the r-th slice of each: every rank runs
-    the same number of steps, and together they train on one process's global batches.
-
-    ``sampler`` exists for Lightning, which re-creates a custom batch sampler with a
-    DistributedSampler as ``sampler`` under DDP: only its ``rank``, ``num_replicas`` and
-    ``epoch`` are read, its order is ignored.
-    """
-
-    def __init__(
-        self,
-        sampler: Any = None,
-        batch_size: int = 4,
-        drop_last: bool = False,
-        *,
-        lengths: Sequence[int] | np.ndarray,
-        plan: EpochPlan | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        bucket_batches: int = 32,
-        position: SamplerPosition | None = None,
-    ) -> None:
-        super().__init__(sampler if sampler is not None else EpochTracker(), batch_size, drop_last)
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.plan = plan if plan is not None else EpochPlan(len(self.lengths))
-        self.seed = int(seed)
-        self.shuffle = shuffle
-        self.bucket_batches = max(1, int(bucket_batches))
-        self.position = position if position is not None else SamplerPosition()
-        # A resumed Lightning run creates its iterator *before* calling set_epoch, and loader
-        # workers draw from the sampler at once: start on the restored epoch, not on 0.
-        first = self.position.first_epoch(len(self))
-        if first is not None and callable(getattr(self.sampler, "set_epoch", None)):
-            self.sampler.set_epoch(first)
-
-    @property
-    def epoch(self) -> int:
-        return int(getattr(self.sampler, "epoch", 0))
-
-    @property
-    def num_replicas(self) -> int:
-        return int(getattr(self.sampler, "num_replicas", 1))
-
-    @property
-    def rank(self) -> int:
-        return int(getattr(self.sampler, "rank", 0))
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def _all_batches(self, epoch: int, batch_size: int | None = None) -> list[list[int]]:
-        size = int(batch_size or self.batch_size)
-        items = self.plan.items(epoch)
-        if self.shuffle:
-            rng = np.random.default_rng([self.seed, epoch])
-            items = items[rng.permutation(len(items))]
-            chunk = size * self.bucket_batches
-        else:
-            items = np.sort(items)
-            chunk = max(len(items), 1)
-        batches: list[list[int]] = []
-        for lo in range(0, len(items), chunk):
-            part = items[lo : lo + chunk]
-            part = part[np.argsort(-self.lengths[part], kind="stable")]
-            for b in range(0, len(part), size):
-                batch = part[b : b + size]
-                if len(batch) < size and self.drop_last:
-                    continue
-                batches.append([int(i) for i in batch])
-        if self.shuffle:
-            order = np.random.default_rng([self.seed, epoch, 1]).permutation(len(batches))
-            batches = [batches[i] for i in order]
-        return batches
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This rank's batches of ``epoch``, in order.
-
-        Under DDP the epoch is cut into global batches of ``batch_size * world`` exactly as one
-        process with that batch size would cut it, and rank r takes slice r of each: a step of
-        W ranks trains on the very records one process with the global batch would (tested:
-        the same loss curve). A short last global batch is filled from the epoch's first
-        records, so every rank has a full batch and the same step count."""
-        world = self.num_replicas
-        if world == 1:
-            return self._all_batches(epoch)
-        size = self.batch_size
-        global_batches = self._all_batches(epoch, size * world)
-        if not global_batches:
-            return []
-        head = [i for batch in global_batches for i in batch]
-        last = global_batches[-1]
-        if len(last) < size * world and not self.drop_last:
-            fill = [head[k % len(head)] for k in range(size * world - len(last))]
-            global_batches[-1] = last + fill
-        return [batch[self.rank * size : (self.rank + 1) * size] for batch in global_batches]
-
-    def __iter__(self) -> Iterator[list[int]]:
-        epoch = self.epoch
-        batches = self.epoch_batches(epoch)
-        position = self.position
-        skip = 0
-        if position.resume_epoch == epoch:
-            skip = min(position.resume_batches, len(batches))
-        position.epoch, position.drawn = epoch, skip
-        for batch in batches[skip:]:
-            position.drawn += 1
-            yield batch
-
-    def __len__(self) -> int:
-        full, rest = divmod(len(self.plan), self.batch_size * self.num_replicas)
-        return full + (1 if rest and not self.drop_last else 0)
-
-
-# --------------------------------------------------------------------------------------------
-# The data module
-# --------------------------------------------------------------------------------------------
 
 
 def resolve_target_source(target: str) -> tuple[str, str | None]:
@@ -507,22 +184,12 @@ class RolloutDataModule(pl.LightningDataModule):
             )
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if rollout_prompts < 1 or rollout_max_new_tokens < 1:
-            raise ValueError("rollout_prompts and rollout_max_new_tokens must be >= 1")
-        if rollout_pool < 0:
-            raise ValueError(
-                f"rollout_pool must be >= 0 (0 = every training prompt), got {rollout_pool}"
-            )
-        if rollout_replay and (rollout_temperature > 0 or rollout_target_rows > 0):
-            raise ValueError(
-                "rollout_replay rebuilds greedy rollouts only: it needs rollout_temperature 0 "
-                "(a sampled rollout depends on the drafter) and rollout_target_rows 0"
-            )
-        if rollout_decode_batch < 0 or (rollout_decode_batch and not rollout_replay):
-            raise ValueError(
-                "rollout_decode_batch must be >= 0 and needs rollout_replay (batched greedy "
-                f"answers are replayed), got {rollout_decode_batch}"
-            )
+        rollouts = RolloutSettings(
+            prompts=rollout_prompts, max_new_tokens=rollout_max_new_tokens, tree=rollout_tree,
+            temperature=rollout_temperature, target_rows=rollout_target_rows, pool=rollout_pool,
+            replay=rollout_replay, decode_batch=rollout_decode_batch, seed=seed,
+        )  # fmt: skip
+        rollouts.check(on_policy=mode == "on_policy")
         if not 0.0 <= regenerated_fraction <= 1.0:
             raise ValueError("regenerated_fraction must be in [0, 1]")
         if not 0.0 <= val_fraction < 1.0:
@@ -531,14 +198,6 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError("max_length must be > 1 and batch_size > 0")
         if max_conversations is not None and max_conversations <= 0:
             raise ValueError("max_conversations must be positive (or None for all)")
-        if mode == "on_policy":
-            from lightning_spec.decoding.build import parse_tree_spec
-            from lightning_spec.decoding.lookup import require_drafter_policy
-
-            try:
-                require_drafter_policy(parse_tree_spec(rollout_tree), "rollout_tree")
-            except ValueError as error:
-                raise ValueError(f"rollout_tree {rollout_tree!r}: {error}") from error
         self.save_hyperparameters()
         self.target = target
         self.dataset = dataset
@@ -570,18 +229,11 @@ class RolloutDataModule(pl.LightningDataModule):
         self.rollout_replay = rollout_replay
         self.rollout_decode_batch = rollout_decode_batch
         self.rollout_sft_mix = rollout_sft_mix
-        self._source_state: dict[str, Any] | None = None  # restored before the source exists
-        self.buffer = OnPolicyBuffer(rollout_prompts)
-        self.rollout_source: Any = None
-        self._prompts: list[list[int]] = []
+        self.rollouts = OnPolicyRollouts(rollouts, lambda: self.target_model)
         self._tokenizer: Any = None
         self._target_model: Any = None
         self._target_spec = str(target)
-        self._target_key: str | None = None
-        self._source_sha256: str | None = None
-        self._conversations: list[tuple[int, Any]] | None = None
-        self._source_count = 0
-        self._stores: dict[str, RolloutStore] = {}
+        self._data_stores: DataStores | None = None
         self._train: RecordTable | None = None
         self._val: RecordTable | None = None
         self._train_plan: EpochPlan | None = None
@@ -697,259 +349,37 @@ class RolloutDataModule(pl.LightningDataModule):
             )
 
     # ------------------------------------------------------------------ stores
-    def _source_identity(self, legacy: bool = False) -> dict[str, Any]:
-        """A data file by its content (sha256), so a moved or edited file keys the right store;
-        a packaged source (``sharegpt``, ...) by its name: its content is pinned by the asset
-        manifest's sha256."""
-        path = Path(self.dataset).expanduser()
-        if path.is_file():
-            if legacy:
-                return {"spec": str(path.resolve()), "bytes": path.stat().st_size}
-            if self._source_sha256 is None:
-                from lightning_spec.io import sha256_file
-
-                self._source_sha256 = sha256_file(path)
-            return {"sha256": self._source_sha256}
-        return {"spec": self.dataset.strip().lower()}
-
     @property
-    def _target_id(self) -> str:
-        """The target as cache keys name it: the embedded default by name (its weights are
-        pinned by the asset manifest's sha256), any other by a fingerprint of its weights, so
-        a target retrained in place never reuses stale answers or features."""
-        if self._target_spec in EMBEDDED_TARGETS:
-            return "smollm2"
-        if self._target_key is None:
-            from lightning_spec.models.fingerprint import cached_target_fingerprint
-
-            self._target_key = f"weights:{cached_target_fingerprint(self.target_model)['weights']}"
-        return self._target_key
+    def stores(self) -> DataStores:
+        """The shard stores this configuration reads and the steps that make them."""
+        if self._data_stores is None:
+            self._data_stores = DataStores(
+                StoreSettings(
+                    target=self._target_spec, dataset=self.dataset, max_length=self.max_length,
+                    max_conversations=self.max_conversations, cache_dir=self.cache_dir,
+                    seed=self.seed, regenerate_max_new_tokens=self.regenerate_max_new_tokens,
+                    regenerate_batch_size=self.regenerate_batch_size,
+                    regenerate_temperature=self.regenerate_temperature,
+                    feature_cache_bytes=self.feature_cache_bytes, target_dtype=self.target_dtype,
+                    shard_format=self.shard_format, records_per_shard=self.records_per_shard,
+                    progress=self.progress,
+                ),
+                tokenizer=lambda: self.tokenizer,
+                target_model=lambda: self.target_model,
+                target_on_device=self._target_on_device,
+            )  # fmt: skip
+        return self._data_stores
 
     def store_config(self, kind: str, *, legacy: bool = False) -> dict[str, Any]:
         """What owns the shards of ``kind``; its hash names the default cache directory."""
-        config: dict[str, Any] = {
-            "kind": kind,
-            "tokenizer": tokenizer_fingerprint(self.tokenizer, legacy=legacy),
-            "source": self._source_identity(legacy=legacy),
-            "max_length": self.max_length,
-        }
-        if kind == "regenerated":
-            config["target"] = self._target_spec if legacy else self._target_id
-            config["target_dtype"] = self.target_dtype
-            config["generation"] = self._generation_settings().as_config()
-        return config
+        return self.stores.store_config(kind, legacy=legacy)
 
     def store_dir(self, kind: str) -> Path:
-        if self.cache_dir:
-            return Path(self.cache_dir).expanduser() / kind
-        from lightning_spec.data.assets import cache_root
-        from lightning_spec.data.rollouts import config_hash
-
-        root = cache_root() / "rollouts"
-        config = self.store_config(kind)
-        folder = root / f"{kind}-{config_hash(config)}"
-        if self._adopts_legacy_stores():
-            self._adopt_legacy_store(kind, root, folder, config)
-        return folder
-
-    def _adopt_legacy_store(
-        self, kind: str, root: Path, folder: Path, config: dict[str, Any]
-    ) -> None:
-        """Stores made before the content-keyed names, for the embedded default target and a
-        packaged source: their content is what the new key names, so they are rekeyed and
-        renamed, not recomputed (hours of cached features on a CPU). The manifest is rekeyed
-        before the rename, so a kill in between leaves a store the next run finishes adopting;
-        a folder renamed by an earlier version without its manifest is rekeyed in place."""
-        from lightning_spec.data.rollouts import config_hash, rekey_store
-
-        old_hash = config_hash(self.store_config(kind, legacy=True))
-        if folder.is_dir():
-            # a no-op unless an earlier version renamed it without its manifest
-            rekey_store(folder, old_hash, config)
-            return
-        legacy = root / f"{kind}-{old_hash}"
-        if not legacy.is_dir():
-            return
-        try:
-            if not rekey_store(legacy, old_hash, config):
-                log.warning("%s is not a store of this configuration: left as it is", legacy)
-                return
-            legacy.rename(folder)
-            log.info("%s store adopted under its content-keyed name: %s", kind, folder)
-        except OSError as error:  # another process adopted it first, or no rights
-            if not folder.exists():
-                log.warning("could not adopt %s (%s): it is rebuilt", legacy, error)
-
-    def _adopts_legacy_stores(self) -> bool:
-        return (
-            self._target_spec in EMBEDDED_TARGETS and not Path(self.dataset).expanduser().exists()
-        )
+        return self.stores.store_dir(kind)
 
     def store(self, kind: str) -> RolloutStore:
         """The shard store of ``kind`` (``dataset`` or ``regenerated``)."""
-        if kind not in self._stores:
-            self._stores[kind] = RolloutStore(
-                self.store_dir(kind),
-                self.store_config(kind),
-                shard_format=self.shard_format,
-                prefix=kind,
-            )
-        return self._stores[kind]
-
-    def _generation_settings(self) -> Any:
-        from lightning_spec.data.regenerate import GenerationSettings
-
-        return GenerationSettings(
-            max_new_tokens=self.regenerate_max_new_tokens,
-            temperature=self.regenerate_temperature,
-            seed=self.seed,
-        )
-
-    def _complete_key(self) -> str:
-        """The completion mark of a full pass over the selected conversations."""
-        self._load_conversations()
-        exhausted = self.max_conversations is None or self._source_count < self.max_conversations
-        return "all" if exhausted else f"first:{self.max_conversations}"
-
-    def _is_complete(self, store: RolloutStore) -> bool:
-        marks = store.completed()
-        if "all" in marks:
-            return True
-        if self.max_conversations is None:
-            return False
-        counts = [int(k.split(":", 1)[1]) for k in marks if k.startswith("first:")]
-        return any(c >= self.max_conversations for c in counts)
-
-    def _load_conversations(self) -> list[tuple[int, Any]]:
-        """(order, conversation) of the first ``max_conversations``, ids made unique."""
-        if self._conversations is None:
-            from lightning_spec.data.sources import load_source
-
-            source = load_source(self.dataset, limit=self.max_conversations)
-            seen: set[str] = set()
-            conversations = []
-            duplicates = 0
-            for order, conversation in enumerate(source):
-                if conversation.id in seen:
-                    duplicates += 1
-                    continue
-                seen.add(conversation.id)
-                conversations.append((order, conversation))
-            if duplicates:
-                log.warning("%s: %d duplicate conversation ids skipped", self.dataset, duplicates)
-            self._source_count = len(conversations) + duplicates
-            self._conversations = conversations
-        return self._conversations
-
-    # ------------------------------------------------------------------ preparation
-    def _render_dataset(self) -> None:
-        """Render the dataset's conversations into the ``dataset`` store (resumable)."""
-        from lightning_spec.data.chat import render_conversation
-        from lightning_spec.progress import progress_bar
-
-        store = self.store("dataset")
-        if self._is_complete(store):
-            return
-        from lightning_spec.data.claims import claimed_batches
-
-        done = store.done_ids()
-        todo = [(o, c) for o, c in self._load_conversations() if c.id not in done]
-        failed = tokens = 0
-        start = time.perf_counter()
-        enabled = self.progress and bool(todo)
-        with progress_bar("rendering", enabled=enabled, unit="tok/s") as bar:
-            task = bar.add_task("conversations", total=len(todo), rate=0.0)
-            # claimed a shard at a time: a second process on the same store renders the rest
-            for chunk in claimed_batches(
-                store.claims, todo, lambda item: item[1].id, size=self.records_per_shard,
-                what=f"rendering {self.dataset}",
-            ):  # fmt: skip
-                buffer: list[RolloutRecord] = []
-                unusable: list[str] = []
-                for order, conversation in chunk:
-                    try:
-                        rendered = render_conversation(
-                            self.tokenizer, conversation.messages, self.max_length
-                        )
-                    except Exception as exc:  # a template may reject a conversation's shape
-                        failed += 1
-                        unusable.append(conversation.id)
-                        log.debug("cannot render %s: %s", conversation.id, exc)
-                        continue
-                    buffer.append(
-                        RolloutRecord(
-                            conversation.id,
-                            rendered.input_ids,
-                            rendered.loss_mask,
-                            "dataset",
-                            {**conversation.meta, "order": order},
-                        )
-                    )
-                    tokens += len(rendered)
-                if buffer:
-                    store.write_shard(buffer)
-                if unusable:
-                    store.claims.finish(unusable)
-                rate = tokens / max(time.perf_counter() - start, 1e-9)
-                bar.update(task, advance=len(chunk), rate=rate)
-        store.claims.release()
-        if failed:
-            log.warning("%s: %d conversations could not be rendered", self.dataset, failed)
-        store.mark_complete(self._complete_key(), failed=failed)
-
-    def _regenerate(self, rank: int, world_size: int) -> None:
-        """This rank's share of the regeneration (resumable)."""
-        from lightning_spec.data.regenerate import PromptItem, regenerate
-
-        store = self.store("regenerated")
-        if self._is_complete(store):
-            return
-        prompts = []
-        for order, conversation in self._load_conversations():
-            try:
-                messages = conversation.prompt()
-            except ValueError:
-                continue
-            meta = {**conversation.meta, "order": order}
-            prompts.append(PromptItem(conversation.id, messages=messages, meta=meta))
-        regenerate(
-            self._target_on_device(),
-            self.tokenizer,
-            prompts,
-            store,
-            settings=self._generation_settings(),
-            batch_size=self.regenerate_batch_size,
-            max_length=self.max_length,
-            records_per_shard=min(self.records_per_shard, 64),
-            rank=rank,
-            world_size=world_size,
-            progress=self.progress,
-        )
-
-    def _mark_regenerated(self) -> None:
-        self.store("regenerated").mark_complete(self._complete_key())
-
-    def _cache_features(self) -> None:
-        from lightning_spec.data.regenerate import cache_features
-
-        for kind in self._kinds():
-            cache_features(
-                self._target_on_device(),
-                self.store(kind),
-                cap_bytes=self.feature_cache_bytes,
-                batch_size=self.regenerate_batch_size,
-                max_length=self.max_length,
-                target_id=f"{self._target_id}|{self.target_dtype}",
-                progress=self.progress,
-                select=self._selected,
-            )
-
-    def _selected(self, record: RolloutRecord) -> bool:
-        """Whether a stored record belongs to this run (``max_conversations`` of the source)."""
-        if self.max_conversations is None:
-            return True
-        order = record.meta.get("order")
-        return order is not None and int(order) < self.max_conversations
+        return self.stores.store(kind)
 
     def prepare_data(self) -> None:
         """Render the dataset and, on a single process, regenerate and cache features.
@@ -958,19 +388,16 @@ class RolloutDataModule(pl.LightningDataModule):
         all ranks in :meth:`setup` instead (rank r takes prompts i % world_size == r).
         """
         _, world_size = self._world()
-        for kind in self._kinds():  # damaged files set aside, so only their contents are redone
-            report = self.store(kind).repair()
-            if report["shards"] or report["features"]:
-                log.warning("%s store repaired: %s", kind, report)
+        stores = self.stores
+        stores.repair(self._kinds())
         if "dataset" in self._kinds():
-            self._render_dataset()
+            stores.render_dataset()
         if "regenerated" in self._kinds() and world_size == 1:
-            store = self.store("regenerated")
-            if not self._is_complete(store):
-                self._regenerate(0, 1)
-                self._mark_regenerated()
+            if not stores.is_complete("regenerated"):
+                stores.regenerate(0, 1)
+                stores.mark_regenerated()
         if self.feature_cache_bytes > 0 and world_size == 1:
-            self._cache_features()
+            stores.cache_features(self._kinds())
 
     # ------------------------------------------------------------------ setup
     def setup(self, stage: str | None = None) -> None:
@@ -978,19 +405,22 @@ class RolloutDataModule(pl.LightningDataModule):
         if self._train is not None:
             return
         rank, world_size = self._world()
+        stores = self.stores
         if world_size > 1:
             # Every phase ends in a collective that also says whether some rank failed: a rank
             # that fails makes all of them stop with the reason, none waits at a barrier for a
             # rank that is gone (30 minutes by default, then an unrelated timeout error).
-            if "regenerated" in self._kinds() and not self._is_complete(self.store("regenerated")):
-                self._on_every_rank("regenerating", lambda: self._regenerate(rank, world_size))
+            if "regenerated" in self._kinds() and not stores.is_complete("regenerated"):
+                self._on_every_rank("regenerating", lambda: stores.regenerate(rank, world_size))
                 self._on_every_rank("marking the regeneration complete",
-                                    lambda: rank == 0 and self._mark_regenerated())  # fmt: skip
+                                    lambda: rank == 0 and stores.mark_regenerated())  # fmt: skip
             if self.feature_cache_bytes > 0:
                 # shared: every rank claims feature shards of its own (`data.claims`)
-                self._on_every_rank("caching features", self._cache_features)
+                self._on_every_rank(
+                    "caching features", lambda: stores.cache_features(self._kinds())
+                )
         for kind in self._kinds():
-            if not self._is_complete(self.store(kind)):
+            if not stores.is_complete(kind):
                 if world_size > 1:
                     raise RuntimeError(
                         f"the {kind} shards in {self.store(kind).directory} are incomplete; "
@@ -999,57 +429,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 self.prepare_data()
         self._build_tables()
 
-    def _read_kind(self, kind: str) -> list[Entry]:
-        """The selected records of one store with their cached features (or None)."""
-        from lightning_spec.data.regenerate import feature_config
-
-        store = self.store(kind)
-        config = None
-        if self.feature_cache_bytes > 0:
-            config = feature_config(self.target_model, f"{self._target_id}|{self.target_dtype}")
-        entries: list[Entry] = []
-        dropped = 0
-        for info in store.shards():
-            features, last_hidden, argmax = {}, {}, {}
-            if config is not None:
-                try:
-                    cached = store.read_cached(info.name, feature_config=config)
-                except StoreError as error:  # derived data: drop it, compute it online
-                    store.drop_feature_shard(info.name, str(error))
-                    cached = {"features": {}, "last_hidden": {}, "target_argmax": {}}
-                features = cached["features"]
-                last_hidden = cached["last_hidden"]
-                argmax = cached["target_argmax"]
-            try:
-                records = store.read_shard(info)
-            except StoreError as error:
-                ids = store.quarantine_shard(info.name, str(error))
-                raise StoreError(
-                    f"{kind} shard {info.name} was damaged after preparation and is set aside "
-                    f"({len(ids) if ids else info.records} records); run again: only those "
-                    "records are made again"
-                ) from error
-            for record in records:
-                if not self._selected(record):
-                    continue
-                record = record.truncated(self.max_length)
-                if record.num_loss_tokens == 0:
-                    dropped += 1
-                    continue
-                entries.append(
-                    (
-                        record,
-                        features.get(record.id),
-                        last_hidden.get(record.id),
-                        argmax.get(record.id),
-                    )
-                )
-        if dropped:
-            log.info("%s: %d records without loss tokens after truncation dropped", kind, dropped)
-        return entries
-
     def _build_tables(self) -> None:
-        by_kind = {kind: self._read_kind(kind) for kind in self._kinds()}
+        by_kind = {kind: self.stores.read_entries(kind) for kind in self._kinds()}
         all_ids = [entry[0].id for entries in by_kind.values() for entry in entries]
         train_ids, val_ids = split_ids(all_ids, self.val_fraction)
         self._train, self._train_plan = self._table(by_kind, train_ids, train=True)
@@ -1058,9 +439,10 @@ class RolloutDataModule(pl.LightningDataModule):
             # train prompts (the text before each first assistant token), this rank's share;
             # the dataset answers themselves are not trained on, the rollouts are
             rank, world_size = self._world()
-            prompts = [_prompt_of(self._train, i) for i in range(len(self._train))]
-            self._prompts = [p for i, p in enumerate(prompts) if p and i % world_size == rank]
-            if not self._prompts:
+            prompts = [prompt_of(self._train, i) for i in range(len(self._train))]
+            mine = [p for i, p in enumerate(prompts) if p and i % world_size == rank]
+            self.rollouts.prompts = mine
+            if not mine:
                 raise RuntimeError(
                     f"no training prompts for on-policy rollouts in {self.dataset!r}"
                 )
@@ -1119,13 +501,23 @@ class RolloutDataModule(pl.LightningDataModule):
         kwargs: dict[str, Any] = {
             "batch_sampler": sampler,
             "num_workers": self.num_workers,
-            "collate_fn": _Collate(self.pad_id),
+            "collate_fn": BatchCollate(self.pad_id),
         }
         if train:
             return ResumableDataLoader(table, owner=self, **kwargs)
         return DataLoader(table, **kwargs)
 
     # ------------------------------------------------------------------ on-policy rollouts
+    @property
+    def buffer(self) -> OnPolicyBuffer:
+        """The current on-policy rollouts (``mode="on_policy"``)."""
+        return self.rollouts.buffer
+
+    @property
+    def rollout_source(self) -> Any:
+        """What makes the rollouts (built at the first refresh)."""
+        return self.rollouts.source
+
     def refresh_rollouts(self, drafter: Any, *, step: int = 0, version: str | None = None) -> None:
         """Replace the on-policy buffer with rollouts of `drafter` (refresh number r takes the
         next `rollout_prompts` training prompts, cycling). Called by `RefreshRollouts`."""
@@ -1133,36 +525,8 @@ class RolloutDataModule(pl.LightningDataModule):
             raise RuntimeError(f"refresh_rollouts needs mode='on_policy', not {self.mode!r}")
         if self._train is None:
             self.setup("fit")
-        if self.rollout_source is None:
-            self.rollout_source = self._build_rollout_source()
-        start = self.buffer.refreshes * self.rollout_prompts
-        pool = min(self.rollout_pool or len(self._prompts), len(self._prompts))
-        prompts = [self._prompts[(start + i) % pool] for i in range(self.rollout_prompts)]
-        version = version or f"step-{step}"
-        generations = self.rollout_source.generate(drafter, prompts, version=version)
-        self.buffer.replace(generations, version=version, step=step, max_length=self.max_length)
-
-    def _build_rollout_source(self) -> Any:
-        from lightning_spec.decoding.source import DecoderRolloutSource, ReplayingRolloutSource
-
-        if self.rollout_replay:
-            source: Any = ReplayingRolloutSource(
-                self.target_model,
-                tree=self.rollout_tree,
-                max_new_tokens=self.rollout_max_new_tokens,
-                seed=self.seed,
-                decode_batch_size=self.rollout_decode_batch,
-            )
-            if self._source_state is not None:
-                source.load_state_dict(self._source_state)
-            return source
-        return DecoderRolloutSource(
-            self.target_model,
-            tree=self.rollout_tree,
-            max_new_tokens=self.rollout_max_new_tokens,
-            temperature=self.rollout_temperature,
-            seed=self.seed,
-            keep_target_rows=self.rollout_target_rows,
+        self.rollouts.refresh(
+            drafter, step=step, version=version or f"step-{step}", max_length=self.max_length
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -1185,14 +549,14 @@ class RolloutDataModule(pl.LightningDataModule):
         loss token; on-policy: the rollout prompts): for callbacks that measure what training
         changed on its own data (`ReplayAcceptance`'s error-fix rate). Needs ``setup``."""
         if self.mode == "on_policy":
-            return [list(p) for p in self._prompts[:limit]]
+            return [list(p) for p in self.rollouts.prompts[:limit]]
         if self._train is None:
             raise RuntimeError("train_prompts needs the data set up: call setup('fit') first")
         prompts: list[list[int]] = []
         for index in range(len(self._train)):
             if len(prompts) >= limit:
                 break
-            prompt = _prompt_of(self._train, index)
+            prompt = prompt_of(self._train, index)
             if prompt:
                 prompts.append(prompt)
         return prompts
@@ -1227,12 +591,7 @@ class RolloutDataModule(pl.LightningDataModule):
         epoch, batches = self._train_position()
         state = {"epoch": epoch, "batches_consumed": batches, "seed": self.seed, "mode": self.mode}
         if self.mode == "on_policy":
-            state["on_policy"] = self.buffer.state_dict()
-            source_state = getattr(self.rollout_source, "state_dict", None)
-            if source_state is not None:
-                state["rollout_source"] = source_state()
-            elif self._source_state is not None:  # restored, not yet rebuilt
-                state["rollout_source"] = self._source_state
+            state.update(self.rollouts.state_dict())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1247,49 +606,5 @@ class RolloutDataModule(pl.LightningDataModule):
         self._position.resume_batches = int(state_dict.get("batches_consumed", 0))
         self._position.epoch = self._position.resume_epoch
         self._position.drawn = self._position.resume_batches
-        if self.mode == "on_policy" and "on_policy" in state_dict:
-            self.buffer.load_state_dict(state_dict["on_policy"])
-        if self.mode == "on_policy" and "rollout_source" in state_dict:
-            self._source_state = state_dict["rollout_source"]
-            load = getattr(self.rollout_source, "load_state_dict", None)
-            if load is not None:
-                load(self._source_state)
-
-
-class ResumableDataLoader(DataLoader):
-    """The training DataLoader, stateful for Lightning: its state is the data module's position
-    (so Lightning knows the loader resumes mid-epoch and does not warn that it cannot)."""
-
-    def __init__(self, *args: Any, owner: RolloutDataModule | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.owner = owner
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.owner.state_dict() if self.owner is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.owner is not None and state_dict:
-            self.owner.load_state_dict(state_dict)
-
-
-class _Collate:
-    """Picklable collate function bound to the pad id (loader workers pickle it)."""
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
-
-    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        batch = collate_records(rows, self.pad_id)
-        if any("steps" in row for row in rows):
-            batch.update(collate_steps(rows))
-        if all("sft" in row for row in rows) and rows:  # on-policy rows with dataset companions
-            batch["sft"] = self([row["sft"] for row in rows])
-        return batch
-
-
-def _prompt_of(table: RecordTable, index: int) -> list[int]:
-    """The tokens before a record's first loss token (its prompt), [] if it has none."""
-    row = table[index]
-    mask = row["loss_mask"]
-    first = int(mask.nonzero()[0, 0]) if bool(mask.any()) else 0
-    return row["input_ids"][:first].tolist()
+        if self.mode == "on_policy":
+            self.rollouts.load_state_dict(state_dict)

@@ -14,7 +14,8 @@ collated steps (`collate_steps`), the fields Draft-OPD and on-policy objectives 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,14 +23,20 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_spec.data.rollouts import (
+from lightning_spec.data.records import (
     RolloutRecord,
     attach_step_rows,
     record_from_generation,
     step_rows_tensors,
 )
 
-__all__ = ["OnPolicyBuffer", "OnPolicyTable", "collate_steps"]
+__all__ = [
+    "OnPolicyBuffer",
+    "OnPolicyRollouts",
+    "OnPolicyTable",
+    "RolloutSettings",
+    "collate_steps",
+]
 
 STEP_KEYS = (
     "step_mask",
@@ -205,3 +212,116 @@ def collate_steps(rows: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
                 out["rejected_target_logprobs"][b, s, :count] = step.target_token_logprobs[nodes]
                 out["rejected_draft_logprobs"][b, s, :count] = step.tree.logprobs[nodes]
     return out
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How on-policy rollouts are made (the data module's ``rollout_*`` arguments)."""
+
+    prompts: int = 32
+    max_new_tokens: int = 64
+    tree: str = "chain:4"
+    temperature: float = 0.0
+    target_rows: int = 0
+    pool: int = 0
+    replay: bool = False
+    decode_batch: int = 0
+    seed: int = 0
+
+    def check(self, *, on_policy: bool) -> None:
+        """Refuse settings no rollout can be made with (the tree only when rollouts are made)."""
+        if self.prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError("rollout_prompts and rollout_max_new_tokens must be >= 1")
+        if self.pool < 0:
+            raise ValueError(
+                f"rollout_pool must be >= 0 (0 = every training prompt), got {self.pool}"
+            )
+        if self.replay and (self.temperature > 0 or self.target_rows > 0):
+            raise ValueError(
+                "rollout_replay rebuilds greedy rollouts only: it needs rollout_temperature 0 "
+                "(a sampled rollout depends on the drafter) and rollout_target_rows 0"
+            )
+        if self.decode_batch < 0 or (self.decode_batch and not self.replay):
+            raise ValueError(
+                "rollout_decode_batch must be >= 0 and needs rollout_replay (batched greedy "
+                f"answers are replayed), got {self.decode_batch}"
+            )
+        if on_policy:
+            from lightning_spec.decoding.build import parse_tree_spec
+            from lightning_spec.decoding.lookup import require_drafter_policy
+
+            try:
+                require_drafter_policy(parse_tree_spec(self.tree), "rollout_tree")
+            except ValueError as error:
+                raise ValueError(f"rollout_tree {self.tree!r}: {error}") from error
+
+
+class OnPolicyRollouts:
+    """The on-policy side of the data module: the buffer, the source that refills it from the
+    current drafter, the training prompts it rotates through, and their checkpoint state (a
+    resumed run continues with the same buffer and, for replayed rollouts, the remembered
+    continuations)."""
+
+    def __init__(self, settings: RolloutSettings, target_model: Callable[[], Any]) -> None:
+        self.settings = settings
+        self._target_model = target_model
+        self.buffer = OnPolicyBuffer(settings.prompts)
+        self.source: Any = None
+        self.prompts: list[list[int]] = []
+        self._source_state: dict[str, Any] | None = None  # restored before the source exists
+
+    def refresh(self, drafter: Any, *, step: int, version: str, max_length: int) -> None:
+        """Replace the buffer with rollouts of `drafter` (refresh number r takes the next
+        ``prompts`` training prompts, cycling through the first ``pool``)."""
+        if not self.prompts:
+            raise RuntimeError("no training prompts for on-policy rollouts: set up the data first")
+        if self.source is None:
+            self.source = self._build_source()
+        size = self.settings.prompts
+        start = self.buffer.refreshes * size
+        pool = min(self.settings.pool or len(self.prompts), len(self.prompts))
+        prompts = [self.prompts[(start + i) % pool] for i in range(size)]
+        generations = self.source.generate(drafter, prompts, version=version)
+        self.buffer.replace(generations, version=version, step=step, max_length=max_length)
+
+    def _build_source(self) -> Any:
+        from lightning_spec.decoding.source import DecoderRolloutSource, ReplayingRolloutSource
+
+        settings = self.settings
+        if settings.replay:
+            source: Any = ReplayingRolloutSource(
+                self._target_model(),
+                tree=settings.tree,
+                max_new_tokens=settings.max_new_tokens,
+                seed=settings.seed,
+                decode_batch_size=settings.decode_batch,
+            )
+            if self._source_state is not None:
+                source.load_state_dict(self._source_state)
+            return source
+        return DecoderRolloutSource(
+            self._target_model(),
+            tree=settings.tree,
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            seed=settings.seed,
+            keep_target_rows=settings.target_rows,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"on_policy": self.buffer.state_dict()}
+        source_state = getattr(self.source, "state_dict", None)
+        if source_state is not None:
+            state["rollout_source"] = source_state()
+        elif self._source_state is not None:  # restored, not yet rebuilt
+            state["rollout_source"] = self._source_state
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "on_policy" in state:
+            self.buffer.load_state_dict(state["on_policy"])
+        if "rollout_source" in state:
+            self._source_state = state["rollout_source"]
+            load = getattr(self.source, "load_state_dict", None)
+            if load is not None:
+                load(self._source_state)

@@ -29,13 +29,10 @@ from torch import Tensor
 
 from lightning_spec.data.chat import render_prompt
 from lightning_spec.data.claims import claimed_batches
-from lightning_spec.data.rollouts import (
-    CACHED_FIELDS,
-    RolloutRecord,
-    RolloutStore,
-    ShardInfo,
-    StoreError,
-)
+from lightning_spec.data.records import RolloutRecord
+from lightning_spec.data.rollouts import RolloutStore
+from lightning_spec.data.shards import ShardInfo, StoreError
+from lightning_spec.data.store_features import CACHED_FIELDS
 from lightning_spec.progress import progress_bar
 
 log = logging.getLogger(__name__)

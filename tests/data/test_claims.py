@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 from lightning_spec.data.claims import CLAIMS, WorkClaims, claimed_batches
-from lightning_spec.data.rollouts import RolloutRecord, RolloutStore, verify_store
+from lightning_spec.data.records import RolloutRecord
+from lightning_spec.data.rollouts import RolloutStore, verify_store
 from lightning_spec.io import file_lock
 
 CONFIG = {"target": "tiny", "tokenizer": {"name": "t", "size": 10}, "max_length": 64}

@@ -11,14 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_spec.data.datamodule import (
-    EpochPlan,
-    LengthBucketBatchSampler,
-    RolloutDataModule,
-    collate_records,
-    split_ids,
-)
-from lightning_spec.data.rollouts import ConfigMismatchError, RolloutRecord, RolloutStore
+from lightning_spec.data.datamodule import RolloutDataModule
+from lightning_spec.data.records import RolloutRecord
+from lightning_spec.data.rollouts import RolloutStore
+from lightning_spec.data.sampling import EpochPlan, LengthBucketBatchSampler
+from lightning_spec.data.shards import ConfigMismatchError
+from lightning_spec.data.tables import collate_records, split_ids
 
 
 @pytest.fixture()
@@ -519,7 +517,7 @@ def test_sharegpt_with_smollm2_masks_assistant_tokens_only(tmp_path: Path) -> No
 def test_store_keys_follow_content_not_paths(data: Path, tmp_path: Path, chat_tokenizer) -> None:
     """A data file moved (or reached through a symlink) and a tokenizer saved elsewhere key the
     same stores; the file edited in place, or a target retrained in place, key new ones."""
-    from lightning_spec.data.rollouts import config_hash
+    from lightning_spec.data.shards import config_hash
     from tests.data.conftest import make_tiny_target
 
     def key(dataset: Path, tokenizer, target=None, kind: str = "dataset") -> str:  # noqa: ANN001
@@ -558,7 +556,7 @@ def test_stores_of_the_embedded_default_are_adopted_not_recomputed(
 ) -> None:
     """Stores made before the content-keyed names, for the embedded default target and a
     packaged source (content pinned by the asset manifest), are renamed to the new key."""
-    from lightning_spec.data.rollouts import config_hash
+    from lightning_spec.data.shards import config_hash
 
     monkeypatch.setenv("LIGHTNING_SPEC_CACHE", str(tmp_path / "cache"))
     module = RolloutDataModule.from_objects(

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_spec.data.rollouts import QUARANTINE, RolloutRecord, RolloutStore, verify_store
+from lightning_spec.data.records import RolloutRecord
+from lightning_spec.data.rollouts import QUARANTINE, RolloutStore, verify_store
 
 CONFIG = {"target": "tiny", "tokenizer": {"name": "t", "size": 10}, "max_length": 64}
 FEATURES = {"target": "tiny"}
@@ -70,9 +71,9 @@ def test_a_kill_during_a_feature_flush_leaves_the_store_consistent(tmp_path: Pat
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        import lightning_spec.data.rollouts as rollouts
+        import lightning_spec.data.store_features as features_module
         from lightning_spec.data.rollouts import RolloutStore
-        real = rollouts.atomic_write
+        real = features_module.atomic_write
 
         class Dying:
             def __init__(self, path, mode="wb"):
@@ -88,7 +89,7 @@ def test_a_kill_during_a_feature_flush_leaves_the_store_consistent(tmp_path: Pat
             def __exit__(self, *exc):
                 return self.inner.__exit__(*exc)
 
-        rollouts.atomic_write = Dying
+        features_module.atomic_write = Dying
         store = RolloutStore({str(tmp_path / "s")!r}, {CONFIG!r})
         features = {{r: torch.randn(4, 4) for r in ("r0", "r1", "r2")}}
         store.write_features({info.name!r}, features, feature_config={FEATURES!r}, cap_bytes=10**6)
@@ -123,7 +124,7 @@ def test_preparation_redoes_only_the_damaged_shard(tiny_cli_assets: dict[str, st
     first.prepare_data()
     store = first.store("dataset")
     shards = store.shards()
-    config = feature_config(first.target_model, f"{first._target_id}|{first.target_dtype}")
+    config = feature_config(first.target_model, first.stores.feature_target_id)
     def inodes() -> dict[str, int]:  # a file written again is a new inode
         return {k: (store.directory / v["name"]).stat().st_ino
                 for k, v in store.feature_shards(config).items()}  # fmt: skip
@@ -162,10 +163,10 @@ def test_a_full_disk_under_the_feature_cache_costs_the_caching_not_the_run(
     import contextlib
     import logging
 
-    import lightning_spec.data.rollouts as rollouts
+    import lightning_spec.data.store_features as features_module
     from lightning_spec.data.regenerate import feature_config
 
-    real, written = rollouts.atomic_write, []
+    real, written = features_module.atomic_write, []
 
     @contextlib.contextmanager
     def full_after_one(path, mode="wb"):
@@ -179,19 +180,19 @@ def test_a_full_disk_under_the_feature_cache_costs_the_caching_not_the_run(
             yield handle
             handle.flush()
 
-    monkeypatch.setattr(rollouts, "atomic_write", full_after_one)
+    monkeypatch.setattr(features_module, "atomic_write", full_after_one)
     first = _module(tiny_cli_assets, tmp_path)
-    with caplog.at_level(logging.ERROR, logger="lightning_spec.data.rollouts"):
+    with caplog.at_level(logging.ERROR, logger="lightning_spec.data.store_features"):
         first.prepare_data()
     store = first.store("dataset")
-    config = feature_config(first.target_model, f"{first._target_id}|{first.target_dtype}")
+    config = feature_config(first.target_model, first.stores.feature_target_id)
     assert len(store.feature_shards(config)) == 1 < len(store.shards())
     assert any("is full" in r.getMessage() and str(store.directory) in r.getMessage()
                for r in caplog.records)  # fmt: skip
     assert verify_store(store.directory) == []
     assert not [p for p in store.directory.iterdir() if ".tmp" in p.name]
     assert not store.feature_cache_full(config)  # not remembered as a cap: retried next run
-    monkeypatch.setattr(rollouts, "atomic_write", real)
+    monkeypatch.setattr(features_module, "atomic_write", real)
     second = _module(tiny_cli_assets, tmp_path)
     second.prepare_data()
     cached = second.store("dataset").feature_shards(config)

@@ -10,20 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_spec.data.rollouts import (
-    MANIFEST,
+from lightning_spec.data.records import (
+    RolloutRecord,
+    record_from_generation,
+    step_record_from_dict,
+    step_record_to_dict,
+)
+from lightning_spec.data.rollouts import MANIFEST, RolloutStore, verify_store
+from lightning_spec.data.shards import (
     SHARD_FORMATS,
     ConfigMismatchError,
-    RolloutRecord,
-    RolloutStore,
     StoreError,
     config_hash,
     decode_shard,
     encode_shard,
-    record_from_generation,
-    step_record_from_dict,
-    step_record_to_dict,
-    verify_store,
 )
 from lightning_spec.decoding.engine import Generation, StepRecord
 from lightning_spec.decoding.tree import DraftTree

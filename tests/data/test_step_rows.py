@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_spec.data.rollouts import (
+from lightning_spec.data.records import (
     load_step_rows,
     record_from_generation,
     save_step_rows,
