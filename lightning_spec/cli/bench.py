@@ -105,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
         "hf_generate_optimized only with --prepack)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="T = 0, drafters only: the target's greedy answers generated once (batched, "
+        "cached) and every drafter and tree replayed on them (exact tau and acceptance, no "
+        "speeds; lightning_spec.bench.replay)",
+    )
+    parser.add_argument(
+        "--replay-cache",
+        default=None,
+        help="with --replay: the greedy answers' JSONL (default: under the asset cache, named "
+        "by the prompt sets, --limit, --selection and --max-new-tokens)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="prompts run first and discarded")
     parser.add_argument("--order", default="rotate", choices=["rotate", "fixed"])
     parser.add_argument("--ignore-eos", action="store_true", help="always decode max-new-tokens")
@@ -232,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         distinct = {tuple(v) for v in by_label.values()}
         trees = list(next(iter(distinct))) if len(distinct) == 1 else by_label
         print(f"bench: trees {trees}", file=sys.stderr)
+    if args.replay:
+        return _replay(args, target, drafters, trees, datasets, methods, config)
     if isinstance(trees, list):
         trees = trees if len(trees) > 1 else trees[0]
     result = run_bench(
@@ -261,6 +276,55 @@ def main(argv: list[str] | None = None) -> int:
     if mismatched:
         print(f"bench: {mismatched} greedy mismatch(es); see the table", file=sys.stderr)
     return 1 if mismatched else 0
+
+
+def _replay(
+    args: argparse.Namespace,
+    target: Any,
+    drafters: dict[str, Any],
+    trees: Any,
+    datasets: dict[str, list[PromptItem]],
+    methods: list[str],
+    config: dict[str, Any],
+) -> int:
+    """`bench --replay` (lightning_spec.bench.replay): tau by exact replay, no speeds."""
+    from lightning_spec.bench.replay import replay_bench, replay_markdown
+    from lightning_spec.bench.report import dumps_result
+
+    lookup = isinstance(trees, list) and any("+lookup" in t for t in trees)
+    if args.temperature != 0 or methods != ["speculative"] or not isinstance(trees, list) or lookup:
+        print(
+            "bench --replay: T = 0, --methods speculative and one tree list for every drafter "
+            "only, without a prompt-lookup branch (a replay measures the drafter's tau, not speed; "
+            "--tree auto gives drafters their own trees)",
+            file=sys.stderr,
+        )
+        return 2
+    cache = args.replay_cache
+    if cache is None:
+        from lightning_spec.data.assets import cache_root
+
+        sets = "+".join(sorted(datasets))
+        name = f"{sets}-limit{args.limit}-{args.selection}-new{args.max_new_tokens}.jsonl"
+        cache = cache_root() / "bench-replay" / str(getattr(target, "name", "target")) / name
+    try:
+        result = replay_bench(
+            target, drafters, trees, datasets, max_new_tokens=args.max_new_tokens, cache=cache,
+            resamples=args.bootstrap, seed=args.seed, progress=not args.no_progress,
+            config=config,
+        )  # fmt: skip
+    except ValueError as error:
+        print(f"bench --replay: {error}", file=sys.stderr)
+        return 2
+    markdown = replay_markdown(result)
+    print(markdown)
+    if args.output:
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(dumps_result(result))
+        path.with_suffix(".md").write_text(markdown)
+        print(f"wrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
+    return 0
 
 
 def _is_auto(tree: str) -> bool:

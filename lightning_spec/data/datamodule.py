@@ -397,7 +397,11 @@ class RolloutDataModule(pl.LightningDataModule):
                 stores.regenerate(0, 1)
                 stores.mark_regenerated()
         if self.feature_cache_bytes > 0 and world_size == 1:
-            stores.cache_features(self._kinds())
+            self._cache_features()
+
+    def _cache_features(self) -> None:
+        """The feature cache of every store this mode reads (a rank's share under DDP)."""
+        self.stores.cache_features(self._kinds())
 
     # ------------------------------------------------------------------ setup
     def setup(self, stage: str | None = None) -> None:
@@ -416,9 +420,7 @@ class RolloutDataModule(pl.LightningDataModule):
                                     lambda: rank == 0 and stores.mark_regenerated())  # fmt: skip
             if self.feature_cache_bytes > 0:
                 # shared: every rank claims feature shards of its own (`data.claims`)
-                self._on_every_rank(
-                    "caching features", lambda: stores.cache_features(self._kinds())
-                )
+                self._on_every_rank("caching features", self._cache_features)
         for kind in self._kinds():
             if not stores.is_complete(kind):
                 if world_size > 1:

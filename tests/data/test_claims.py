@@ -159,7 +159,7 @@ def test_two_processes_prepare_one_store_without_duplicates(
     assert shards == [len(names)] * 2  # each saw the complete store when it returned
     from lightning_spec.data.regenerate import feature_config
 
-    config = feature_config(module.target_model, f"{module._target_id}|{module.target_dtype}")
+    config = feature_config(module.target_model, module.stores.feature_target_id)
     cached = store.feature_shards(config)
     assert set(cached) == set(names)
     assert sum(entry["records"] for entry in cached.values()) == 40

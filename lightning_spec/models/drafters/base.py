@@ -92,6 +92,10 @@ class Drafter(nn.Module):
         del depth
         return self.step(state, input_ids, position_ids, hidden=hidden, mask=mask)
 
+    drafts_from_sequence: bool = True
+    """Whether `sequence_proposer` can root B trees in one teacher-forced sequence (the seam
+    replay, GTO and Draft-OPD use)."""
+
     def bind_target(self, target: Any) -> None:
         """Attach weights shared with the frozen `target` (DFlash shares its embeddings and LM
         head); a no-op for self-contained drafters. The decoder and the objectives call it."""

@@ -29,6 +29,9 @@ class StandaloneDrafter(Drafter):
 
     drafter_type = "standalone"
     needs_features = False
+    drafts_from_sequence = False
+    """Its HF cache holds one context: B trees over one teacher-forced sequence (replay, GTO,
+    Draft-OPD) are not supported; the decoder drafts it one tree at a time."""
 
     def __init__(self, config: dict[str, Any], model: torch.nn.Module | None = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
