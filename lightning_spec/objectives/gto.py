@@ -62,20 +62,31 @@ REWARD_FACTORS = ("auto", "probs", "greedy")
 
 
 def choose_groups(
-    loss_mask: Tensor, *, groups: int, group_size: int, offset: int, generator: torch.Generator
+    loss_mask: Tensor,
+    *,
+    groups: int,
+    group_size: int,
+    offset: int,
+    generator: torch.Generator,
+    reach: int = 0,
 ) -> Tensor | None:
     """[K', m] root positions: up to `groups` non-overlapping groups of `group_size` adjacent
     valid roots (the paper partitions the sequence into K groups of m, K up to s / m).
 
     A root R is valid when the drafter has an entry for it (R >= offset), a next position
-    exists and that next token is a loss (assistant) token. Each run of consecutive valid roots
-    is cut into whole groups of m from its start; `groups` of those (all, when fewer) are drawn
-    without replacement and returned in sequence order. None when no run holds m roots.
+    exists and that next token is a loss (assistant) token, and a tree `reach` deep from it
+    stays inside the text (R + reach < L): a tree that runs past the end of the text cannot be
+    scored from the cached pass, and at serving time the text ends there. Each run of
+    consecutive valid roots is cut into whole groups of m from its start; `groups` of those (all,
+    when fewer) are drawn without replacement and returned in sequence order. None when no run
+    holds m roots.
     """
     length = int(loss_mask.shape[0])
     valid = torch.zeros(length, dtype=torch.bool, device=loss_mask.device)
     valid[: length - 1] = loss_mask[1:].bool()
     valid[:offset] = False
+    if reach > 0:
+        valid[max(0, length - reach) :] = False
     flags = valid.cpu().tolist()
     starts: list[int] = []
     position = 0
@@ -316,6 +327,7 @@ class GroupTreeOptimization(EagleSFT):
                 group_size=int(hp.group_size),
                 offset=absorbed_offset(self.drafter),
                 generator=generator or self._generator,
+                reach=int(self.policy.max_depth),
             )
             if roots is None:
                 continue

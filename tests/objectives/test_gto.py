@@ -77,6 +77,9 @@ def test_choose_groups_partitions_valid_roots_into_non_overlapping_groups() -> N
     two = choose_groups(mask, groups=2, group_size=2, offset=1, generator=generator)
     assert two.shape == (2, 2) and len(set(two.flatten().tolist())) == 4
     assert choose_groups(mask, groups=9, group_size=1, offset=4, generator=generator).flatten().tolist() == [4, 5, 6, 8, 9]
+    # a tree 3 deep from R must end inside the 11-token text: R + 3 < 11, so 8 and 9 drop out
+    reached = choose_groups(mask, groups=9, group_size=1, offset=4, generator=generator, reach=3)
+    assert reached.flatten().tolist() == [4, 5, 6]
 
 
 def test_gto_term_is_zero_at_the_reference_and_trains_once_it_moves(
