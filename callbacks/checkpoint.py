@@ -180,6 +180,7 @@ class DrafterCheckpoint(Callback):
             "tie_breaker": self.tie_breaker,
             "best_tie": self.best_tie,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "training_data": training_data(trainer, pl_module),
         }
         with atomic_folder(self.root(trainer) / name) as tmp:
             pl_module.drafter.save_pretrained(tmp)
@@ -201,6 +202,34 @@ class DrafterCheckpoint(Callback):
         self.best_value = state_dict.get("best_value")
         self.best_step = state_dict.get("best_step")
         self.best_tie = state_dict.get("best_tie")
+
+
+def training_data(trainer: Trainer, pl_module: LightningModule) -> list[dict[str, Any]]:
+    """What this drafter trained on: the data module's selection (source, first N conversations,
+    mode) after that of the `drafter_init` folder it started from, so `lightning-spec online`
+    can check that a stream's prompts are new to it (`serving.overlap`). An entry with source
+    None says a step of the chain did not record its data."""
+    hparams = getattr(pl_module, "hparams", {}) or {}
+    init = hparams.get("drafter_init") if hasattr(hparams, "get") else None
+    record: list[dict[str, Any]] = []
+    if init:
+        try:
+            state = json.loads((Path(init) / STATE_FILE).read_text())
+            inherited = state.get("training_data")
+        except (OSError, ValueError):
+            inherited = None
+        if isinstance(inherited, list):
+            record += inherited
+        else:
+            record.append({"source": None, "drafter_init": str(init)})
+    data = getattr(trainer, "datamodule", None)
+    if getattr(data, "dataset", None) is not None:
+        record.append({
+            "source": str(data.dataset),
+            "count": getattr(data, "max_conversations", None),
+            "mode": getattr(data, "mode", None),
+        })  # fmt: skip
+    return record
 
 
 def _finite(value: Any) -> float | None:

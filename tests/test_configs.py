@@ -294,7 +294,9 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
     from lightning_spec.cli.online import load_config
     from lightning_spec.tracking import default_tracking_uri
 
-    assert [p.name for p in ONLINE_CONFIGS] == ["online_domain.yaml", "online_spec.yaml"]
+    assert [p.name for p in ONLINE_CONFIGS] == [
+        "online_domain.yaml", "online_domain_shift.yaml", "online_spec.yaml"
+    ]
     for path in ONLINE_CONFIGS:
         config = load_config(path)
         assert config["stream"] and config["strategy"]["name"] in ("frozen", "ogd")

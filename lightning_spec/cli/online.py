@@ -33,7 +33,8 @@ __all__ = ["load_config", "main", "parse_value"]
 
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
-        "record_feedback", "replay", "replay_cache", "replay_batch", "update_every"}  # fmt: skip
+        "record_feedback", "replay", "replay_cache", "replay_batch", "update_every",
+        "train_data", "allow_overlap"}  # fmt: skip
 
 
 def parse_value(raw: str) -> Any:
@@ -79,7 +80,39 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
     config.setdefault("prepack", False)
     if int(config["round_size"]) < 1 or int(config["max_new_tokens"]) < 1:
         raise ValueError("round_size and max_new_tokens must be >= 1")
+    train = config.get("train_data")
+    if train is not None and not (
+        isinstance(train, list) and all(isinstance(t, dict) and "source" in t for t in train)
+    ):
+        raise ValueError("train_data must be a list of {source: ..., count: N} selections")
     return config
+
+
+def check_stream_is_new(config: dict[str, Any], requests: list[Any], out: Path) -> str | None:
+    """Check the stream against what the drafter trained on (the drafter folder's record, else
+    the config's ``train_data``), write ``OUT/overlap.json``, and return an error when a stream
+    prompt is a training prompt (unless ``allow_overlap: true``)."""
+    from lightning_spec.serving.overlap import check_overlap, drafter_training_data, stream_prompts
+
+    training = drafter_training_data(config["drafter"]) or config.get("train_data")
+    if not training:
+        print("online: the drafter folder does not record its training data and the config has "
+              "no train_data: the stream was NOT checked against the training set",
+              file=sys.stderr)  # fmt: skip
+        return None
+    report = check_overlap(stream_prompts(requests), training)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overlap.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"online: stream vs training set ({', '.join(str(t['source']) for t in training)}): "
+          f"{len(report['same_id'])} same ids, {len(report['exact'])} identical prompts, "
+          f"{len(report['ngram'])} of {report['requests']} share a {report['n']}-word run "
+          f"(overlap.json)")  # fmt: skip
+    if (report["same_id"] or report["exact"]) and not config.get("allow_overlap"):
+        first = (report["same_id"] + report["exact"])[:3]
+        return (f"{len(set(report['same_id'] + report['exact']))} stream prompts are in the "
+                f"drafter's training set (e.g. {first}): skip past them, or set allow_overlap: "
+                f"true")  # fmt: skip
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in config["stream"]
     ]
     requests = build_stream(target.tokenizer, segments, seed=int(config["seed"]), exclude=exclude)
+    problem = check_stream_is_new(config, requests, Path(config["out_dir"]))
+    if problem:
+        print(f"online: {problem}", file=sys.stderr)
+        return 2
     continuations = None
     if config.get("replay"):  # T = 0: answers generated once in batches, every strategy replays
         from lightning_spec.serving.continuations import stream_continuations
