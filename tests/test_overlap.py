@@ -36,11 +36,16 @@ def _requests(source: Path, ids: list[str]) -> list[Request]:
 
 
 def test_the_check_finds_shared_ids_identical_prompts_and_shared_word_runs(tmp_path: Path) -> None:
-    stream = _jsonl(tmp_path / "stream.jsonl", [{"id": f"s{i}", "prompt": d} for i, d in enumerate(DOCS)])
+    stream = _jsonl(
+        tmp_path / "stream.jsonl", [{"id": f"s{i}", "prompt": d} for i, d in enumerate(DOCS)]
+    )
     train = _jsonl(
         tmp_path / "train.jsonl",
         [
-            {"id": "t0", "prompt": "  " + DOCS[1].replace(" ", "\n ")},  # same prompt, other spacing
+            {
+                "id": "t0",
+                "prompt": "  " + DOCS[1].replace(" ", "\n "),
+            },  # same prompt, other spacing
             {"id": "t1", "prompt": "As the docs say: " + DOCS[2][:-1].upper() + " and more words."},
             {"id": "t2", "prompt": "Something unrelated about cooking pasta for dinner tonight."},
         ],
@@ -92,12 +97,15 @@ def test_a_checkpoint_records_its_data_after_its_starting_drafters(tmp_path: Pat
     ]
     unrecorded = SimpleNamespace(hparams={"drafter_init": str(tmp_path / "nowhere")})
     assert training_data(trainer, unrecorded)[0] == {
-        "source": None, "drafter_init": str(tmp_path / "nowhere")
+        "source": None,
+        "drafter_init": str(tmp_path / "nowhere"),
     }
 
 
 def test_online_refuses_a_stream_the_drafter_trained_on(tmp_path: Path) -> None:
-    stream = _jsonl(tmp_path / "stream.jsonl", [{"id": f"s{i}", "prompt": d} for i, d in enumerate(DOCS)])
+    stream = _jsonl(
+        tmp_path / "stream.jsonl", [{"id": f"s{i}", "prompt": d} for i, d in enumerate(DOCS)]
+    )
     drafter = tmp_path / "drafter"
     drafter.mkdir()
     (drafter / STATE_FILE).write_text(
@@ -108,7 +116,9 @@ def test_online_refuses_a_stream_the_drafter_trained_on(tmp_path: Path) -> None:
     problem = check_stream_is_new(config, warm_items, tmp_path / "out")
     assert problem and "2 stream prompts are in the drafter's training set" in problem
     assert json.loads((tmp_path / "out" / "overlap.json").read_text())["same_id"] == ["s0", "s1"]
-    assert check_stream_is_new({**config, "allow_overlap": True}, warm_items, tmp_path / "o2") is None
+    assert (
+        check_stream_is_new({**config, "allow_overlap": True}, warm_items, tmp_path / "o2") is None
+    )
     after = [Request(i, str(stream), rid, [1]) for i, rid in enumerate(["s2", "s3"])]
     assert check_stream_is_new(config, after, tmp_path / "o3") is None  # the items after: new
     # no record and no train_data: served, with a warning

@@ -15,7 +15,7 @@ CITE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?`|`::(\w+)`")
 def _rows() -> list[tuple[str, str]]:
     """(fault, test column) of every table row under a fault heading."""
     rows = []
-    for line in (ROOT / "RELIABILITY.md").read_text(encoding="utf-8").splitlines():
+    for line in (ROOT / "docs" / "reliability.md").read_text(encoding="utf-8").splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) >= 5 and cells[0] not in ("fault", "---") and not cells[0].startswith("-"):
             rows.append((cells[0], cells[-1]))

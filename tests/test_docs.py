@@ -1,0 +1,141 @@
+"""The user guide builds, and every command it shows parses.
+
+`mkdocs build --strict` fails on a broken link, a missing anchor or a page left out of the nav.
+Every command in a fenced shell block of the guide or the README (`lightning-spec ...`,
+`python bench/X.py ...`, `python -m lightning_spec....`, `./scripts/...`) is run through its
+real parser up to the point where work would start: an argparse command's `parse_args` (an
+unknown option or a bad value fails), a `fit`/`prepare` config through LightningCLI's parser (the
+config file exists and every `--model.init_args.x` override names a real argument), a script's
+existence. Nothing is trained or downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+SHELL = {"", "bash", "sh", "console", "shell"}
+
+
+class _Parsed(Exception):
+    """Raised in place of the work that follows a successful parse."""
+
+
+def shell_blocks(text: str) -> list[str]:
+    """The bodies of the fenced blocks of `text` in a shell language (or none named)."""
+    blocks, body, language = [], [], None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            if language is None:
+                language, body = stripped[3:].strip().lower(), []
+            else:
+                if language in SHELL:
+                    blocks.append("\n".join(body))
+                language = None
+        elif language is not None:
+            body.append(line)
+    return blocks
+
+
+def shown_commands() -> list[tuple[str, str]]:
+    """(page, command line) for every command line in a fenced shell block of the guide."""
+    found = []
+    for page in PAGES:
+        for block in shell_blocks(page.read_text(encoding="utf-8")):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" # ")[0].strip()
+                if line.startswith(("lightning-spec ", "python ", "./scripts/", ".venv/bin/")):
+                    found.append((str(page.relative_to(ROOT)), line))
+    return found
+
+
+COMMANDS = shown_commands()
+
+
+def test_the_guide_builds_strictly(tmp_path: Path) -> None:
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
+    assert mkdocs, "mkdocs is a dev dependency (pip install -e '.[dev]')"
+    done = subprocess.run(
+        [mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_guide_shows_commands_from_every_page_kind() -> None:
+    pages = {page for page, _ in COMMANDS}
+    assert {"README.md", "docs/training.md", "docs/benchmarking.md"} <= pages
+    assert len(COMMANDS) >= 20
+
+
+def _parse_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make argparse and LightningCLI stop right after a successful parse."""
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):  # noqa: ANN001, ANN202
+        real(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    from lightning.pytorch.cli import LightningCLI
+
+    def instantiate_then_stop(self) -> None:  # noqa: ANN001
+        raise _Parsed
+
+    monkeypatch.setattr(LightningCLI, "instantiate_classes", instantiate_then_stop)
+
+
+def _run_parser(argv: list[str]) -> None:
+    """Run the program `argv` names until its parser has parsed."""
+    head = argv[0].removeprefix(".venv/bin/")
+    if head == "lightning-spec":
+        from lightning_spec.cli import main
+
+        main(argv[1:])
+    elif head.startswith("python"):
+        if argv[1] == "-m":
+            module = importlib.import_module(argv[2])
+            module.main(argv[3:])
+        elif argv[1] == "-c":  # a one-liner: run it
+            done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr[-2000:]
+            return
+        else:
+            path = ROOT / argv[1]
+            assert path.is_file(), f"{argv[1]} does not exist"
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+            module.main(argv[2:])
+    elif head.startswith("./scripts/"):
+        assert (ROOT / head).is_file(), f"{head} does not exist"
+        return
+    else:
+        pytest.fail(f"no parser for {argv[0]!r}")
+    pytest.fail("the command ran past its parser")
+
+
+@pytest.mark.parametrize(("page", "line"), COMMANDS, ids=[f"{p}:{c[:60]}" for p, c in COMMANDS])
+def test_every_command_in_the_guide_parses(
+    page: str, line: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = shlex.split(line)
+    _parse_only(monkeypatch)
+    monkeypatch.chdir(ROOT)  # commands are shown from the repository root
+    try:
+        _run_parser(argv)
+    except _Parsed:
+        return
+    except SystemExit as error:  # argparse's answer to a bad option
+        pytest.fail(f"{page}: `{line}` does not parse (exit {error.code})")
