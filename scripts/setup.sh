@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install lightning-spec with its test tools.
 # torch is pinned to the CPU build that these machines carry; on a GPU machine install the CUDA
-# build of torch first (see README "Installing on a GPU machine") and this script keeps it.
+# build of torch first (see docs/gpu.md) and this script keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

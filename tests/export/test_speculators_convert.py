@@ -4,7 +4,7 @@ and torchvision), so this runs where it is importable and is skipped elsewhere w
 To run it: `pip install --no-deps --target DIR speculators loguru pydantic-settings typer openai
 httpx httpcore anyio sniffio distro jiter h11 "datasets<=5.1.0" pyarrow dill multiprocess xxhash
 fsspec hs-connectors`, then `PYTHONPATH=DIR pytest tests/export/test_speculators_convert.py`
-(README, Export).
+(docs/export.md).
 """
 
 from __future__ import annotations
