@@ -242,7 +242,7 @@ def parse_overrides(
 
 def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     """The shared options each strategy accepts, read from its constructor's signature (frozen:
-    only ttt_steps; ``hindsight`` fits the config's own strategy, so it takes them all)."""
+    ttt_steps and the labels; ``hindsight`` fits the config's own strategy, so it takes them all)."""
     import inspect
 
     from lightning_spec.objectives.online import STRATEGIES
@@ -250,7 +250,7 @@ def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     if name == "hindsight":
         return dict(options)
     if name == "frozen":
-        accepted = {"ttt_steps"}
+        accepted = {"ttt_steps", "labels", "label_top_k"}
     else:
         accepted = set(inspect.signature(STRATEGIES[name]).parameters) - {"drafter"}
     return {k: v for k, v in options.items() if k in accepted}

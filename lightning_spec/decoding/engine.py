@@ -156,6 +156,12 @@ class Generation:
     last (what an EAGLE loss reads), when the decoder keeps them: OnlineSpec trains on them
     without a second target pass."""
     drafter_version: str | None = None
+    label_logprobs: Tensor | None = None
+    """[len(tokens), k] the top-k target log-probs of the distribution each new token was chosen
+    from (row i: the target after the token before ``tokens[i]``), when the decoder keeps them
+    (``keep_labels``): OnlineSpec's soft labels, again without a second target pass."""
+    label_ids: Tensor | None = None
+    """[len(tokens), k] the token ids of `label_logprobs`."""
 
     @property
     def tau(self) -> float:
@@ -182,6 +188,7 @@ class SpeculativeDecoder:
         keep_target_probs: bool = False,
         keep_target_rows: int = 0,
         keep_features: bool = False,
+        keep_labels: int = 0,
         eos_token_ids: Sequence[int] | None = None,
         use_kernels: bool = False,
         drafter_version: str | None = None,
@@ -191,7 +198,8 @@ class SpeculativeDecoder:
         TRITON_INTERPRET=1); it switches the target model's attention implementation.
         `keep_target_rows` > 0 records that many top target log-probs per tried row
         (`StepRecord.target_rows`); `keep_features` keeps the committed tokens' target features
-        on the `Generation`."""
+        on the `Generation`, and `keep_labels` > 0 that many top target log-probs of the
+        distribution each new token came from (`Generation.label_logprobs`)."""
         _check_temperature(temperature)
         if use_kernels:
             from lightning_spec.decoding.fast_path import (
@@ -209,6 +217,9 @@ class SpeculativeDecoder:
         self.keep_target_probs = keep_target_probs
         self.keep_target_rows = int(keep_target_rows)
         self.keep_features = keep_features
+        if keep_labels < 0:
+            raise ValueError(f"keep_labels must be >= 0, got {keep_labels}")
+        self.keep_labels = int(keep_labels)
         self.drafter_version = drafter_version
         self.eos_token_ids = set(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
         _check_vocab(drafter, target)
@@ -301,6 +312,7 @@ class DecodeSession:
         self.sequence = list(prompt)
         self.stopped = False
         self._features: list[Tensor] = []  # target features of sequence[:-1], in chunks
+        self._labels: list[tuple[Tensor, Tensor]] = []  # top-k label rows of new_tokens
         self._start_time = time.perf_counter()
         self.prefill_seconds = 0.0
         self.cache: object | None = None
@@ -322,6 +334,8 @@ class DecodeSession:
         self.stopped = stop_on_eos and first in decoder.eos_token_ids
         if output.features is not None:
             self._features.append(output.features[0])
+        if decoder.keep_labels:
+            self._labels.append(top_label_rows(output.logits[0, -1:], decoder.keep_labels))
         self._absorb_all()
 
     # ------------------------------------------------------------------ state
@@ -369,7 +383,7 @@ class DecodeSession:
         if self.done:
             raise RuntimeError("the session is done: no tokens left to decode")
         decoder = self.decoder
-        record, committed_features = self._verify_step()
+        record, committed_features, label_rows = self._verify_step()
         budget = self.max_new_tokens - len(self.new_tokens)
         count = min(len(record.committed), budget)
         for index, token in enumerate(record.committed[:count]):
@@ -380,6 +394,8 @@ class DecodeSession:
         record = record.cut(count)
         if committed_features is not None:  # one row per committed token: cut with them
             committed_features = committed_features[:count]
+        if label_rows is not None:
+            self._labels.append((label_rows[0][:count], label_rows[1][:count]))
         self.records.append(record)
         self.new_tokens.extend(record.committed)
         self.sequence.extend(record.committed)
@@ -410,9 +426,11 @@ class DecodeSession:
             stopped_on_eos=self.stopped,
             features=self.features if self.decoder.keep_features else None,
             drafter_version=self.decoder.drafter_version,
+            label_logprobs=torch.cat([v for v, _ in self._labels]) if self._labels else None,
+            label_ids=torch.cat([i for _, i in self._labels]) if self._labels else None,
         )
 
-    def _verify_step(self) -> tuple[StepRecord, Tensor | None]:
+    def _verify_step(self) -> tuple[StepRecord, Tensor | None, tuple[Tensor, Tensor] | None]:
         decoder = self.decoder
         drafter, target, temperature = decoder.drafter, decoder.target, self.temperature
         root_position = len(self.sequence) - 1
@@ -512,7 +530,17 @@ class DecodeSession:
             target_rows=target_rows,
             drafter_version=decoder.drafter_version,
         )
-        return record, features
+        labels = None
+        if decoder.keep_labels:  # the root's and accepted rows chose the committed tokens
+            labels = top_label_rows(logits[keep.to(logits.device)], decoder.keep_labels)
+        return record, features, labels
+
+
+def top_label_rows(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(log-probs, ids) [rows, k] of the k most likely tokens of each row of `logits`, on the
+    CPU: a soft label at k floats per token instead of the vocabulary's."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(int(k), logits.shape[-1]))
+    return values.cpu(), ids.cpu()
 
 
 def _tempered(logits: Tensor, temperature: float) -> Tensor:

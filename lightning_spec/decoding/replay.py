@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.build import TreePolicy
-from lightning_spec.decoding.engine import Generation, StepRecord, _without_rows
+from lightning_spec.decoding.engine import Generation, StepRecord, _without_rows, top_label_rows
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.decoding.verify import verify_greedy_argmax
 from lightning_spec.models.drafters.base import Drafter
@@ -158,10 +158,13 @@ def replay_greedy(
     drafter_version: str | None = None,
     tolerance: float = 1e-3,
     text: TextPass | None = None,
+    keep_labels: int = 0,
 ) -> Generation:
     """The greedy rollout `drafter` would make on `prompt`, rebuilt from its known greedy
     `continuation` (the new tokens a real T = 0 rollout committed; see the module docstring).
-    `text`: the target's pass over this text from an earlier replay (`text_pass`)."""
+    `text`: the target's pass over this text from an earlier replay (`text_pass`);
+    `keep_labels` > 0 keeps that many top target log-probs per new token, as the decoder's
+    ``keep_labels`` does."""
     prompt, continuation = [int(t) for t in prompt], [int(t) for t in continuation]
     if not prompt or not continuation:
         raise ValueError("a replay needs a prompt and at least the first generated token")
@@ -170,6 +173,7 @@ def replay_greedy(
     ids = torch.tensor([prompt + continuation], device=target.device)
     length = int(ids.shape[1])
     records: list[StepRecord] = []
+    labels = None
     if start < absorbed_offset(drafter):
         raise ValueError(f"the prompt must hold at least {absorbed_offset(drafter)} tokens")
     if length - 1 > start:
@@ -182,6 +186,8 @@ def replay_greedy(
         # target after position start + j
         every = target.head_logits(text.last_hidden).float()
         check_greedy(every[:-1], ids[0, start:], tolerance=tolerance, offset=start)
+        if keep_labels:  # row i chose continuation[i]
+            labels = top_label_rows(every[:-1], keep_labels)
         rows = every[1:]
         roots = torch.arange(start, length - 1, device=ids.device)
         draft_tic = time.perf_counter()
@@ -205,6 +211,8 @@ def replay_greedy(
         total_seconds=time.perf_counter() - tic,
         stopped_on_eos=continuation[-1] in eos,
         drafter_version=drafter_version,
+        label_logprobs=None if labels is None else labels[0],
+        label_ids=None if labels is None else labels[1],
     )
 
 

@@ -8,8 +8,12 @@ and the decoder already computed the target's features of every committed token
 own loss is built without a second target pass.
 
 The loss (`feedback_batch` + `online_loss`): the EAGLE-3 training-time-test loss on the served
-sequences, with the committed next token as a hard label (cross-entropy over the draft
-vocabulary; committed tokens outside it are masked) on the response positions only.
+sequences, on the response positions only. ``labels: soft`` (the default, as the reference's
+offline loss) is the cross-entropy to the target's own distribution over the draft vocabulary,
+kept by the decoder while it served (`Generation.label_logprobs`: its top ``label_top_k``
+log-probs per token, renormalised over those the draft vocabulary holds); ``labels: hard`` is the
+cross-entropy to the committed next token (the target's argmax at T = 0; committed tokens outside
+the draft vocabulary are masked).
 
 Strategies share one interface (`OnlineStrategy`): `drafter` is what the next round serves,
 `update(generations)` learns from a served round and returns its metrics, and `state_dict` /
@@ -71,7 +75,9 @@ def feedback_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | Non
 
     ``input_ids`` [B, T] prompt + served tokens, ``features`` [B, T, F] the target features the
     decoder kept (row j: the feature of token j; the last row, never read, is zero),
-    ``loss_mask`` [B, T] 1 on served tokens, ``attention_mask`` [B, T].
+    ``loss_mask`` [B, T] 1 on served tokens, ``attention_mask`` [B, T]; when every generation
+    kept its label rows, ``label_ids``/``label_logprobs`` [B, T, k] hold the target's top-k
+    distribution each served token was chosen from (at its own position; -1 / -inf elsewhere).
     """
     rows = [g for g in generations if g.features is not None and len(g.tokens) >= 2]
     if not rows:
@@ -89,15 +95,40 @@ def feedback_batch(generations: Sequence[Generation]) -> dict[str, Tensor] | Non
         features[b, : kept.shape[0]] = kept
         loss_mask[b, len(generation.prompt) : len(sequence)] = 1
         attention[b, : len(sequence)] = 1
-    return {"input_ids": ids, "features": features, "loss_mask": loss_mask,
-            "attention_mask": attention}  # fmt: skip
+    batch = {"input_ids": ids, "features": features, "loss_mask": loss_mask,
+             "attention_mask": attention}  # fmt: skip
+    if all(g.label_logprobs is not None for g in rows):
+        k = max(int(g.label_logprobs.shape[-1]) for g in rows)
+        label_ids = torch.full((len(rows), width, k), -1, dtype=torch.long)
+        label_logprobs = torch.full((len(rows), width, k), float("-inf"))
+        for b, generation in enumerate(rows):
+            start, n = len(generation.prompt), int(generation.label_logprobs.shape[0])
+            width_k = int(generation.label_logprobs.shape[-1])
+            label_ids[b, start : start + n, :width_k] = generation.label_ids
+            label_logprobs[b, start : start + n, :width_k] = generation.label_logprobs.float()
+        batch["label_ids"], batch["label_logprobs"] = label_ids, label_logprobs
+    return batch
+
+
+def soft_targets(drafter: Drafter, label_ids: Tensor, label_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """(draft ids, probabilities) [..., k]: the target's top-k rows restricted to the drafter's
+    draft vocabulary and renormalised there (ids outside it get probability 0; a row with no
+    mass left is all zeros, and masked by the caller)."""
+    draft = label_ids if _draft_ids(drafter) is None else drafter.target_to_draft_ids(label_ids)
+    valid = (label_ids >= 0) & (draft >= 0)
+    logits = label_logprobs.masked_fill(~valid, float("-inf"))
+    mass = torch.logsumexp(logits, dim=-1, keepdim=True)
+    probs = torch.where(valid, torch.exp(logits - mass.clamp_min(-1e30)), torch.zeros_like(logits))
+    return draft.clamp_min(0), torch.nan_to_num(probs, nan=0.0)
 
 
 def _step_terms(
     drafter: Drafter, batch: dict[str, Tensor], ttt_steps: int
-) -> tuple[list[Tensor], Tensor, Tensor]:
+) -> tuple[list[Tensor], Tensor, Tensor, tuple[Tensor, Tensor, Tensor] | None]:
     """(per TTT step log-probs [B, T-1, V'], draft-vocabulary labels [B, T-1], masks
-    [steps, B, T-1]): the pieces `online_loss` and `online_metrics` read."""
+    [steps, B, T-1], and with the batch's label rows the soft targets (draft ids [B, T-1, k],
+    probabilities [B, T-1, k], masks [steps, B, T-1])): the pieces `online_loss` and
+    `online_metrics` read."""
     device = next(drafter.parameters()).device
     ids = batch["input_ids"].to(device)
     features = batch["features"].to(device)
@@ -111,7 +142,15 @@ def _step_terms(
     in_vocab = (label_draft >= 0).long()
     masks = ttt_loss_masks(loss_mask, steps=ttt_steps) * in_vocab.unsqueeze(0).float()
     log_qs = [torch.log_softmax(output.logits.float(), dim=-1) for output in outputs]
-    return log_qs, label_draft.clamp_min(0), masks
+    soft = None
+    if "label_ids" in batch:  # entry i predicts token i + 2: its row sits at position i + 2
+        ids_k = torch.full_like(batch["label_ids"][:, 1:], -1)
+        logp_k = torch.full_like(batch["label_logprobs"][:, 1:], float("-inf"))
+        ids_k[:, :-1], logp_k[:, :-1] = batch["label_ids"][:, 2:], batch["label_logprobs"][:, 2:]
+        draft_k, probs = soft_targets(drafter, ids_k.to(device), logp_k.to(device))
+        has_mass = (probs.sum(-1) > 0).float()
+        soft = (draft_k, probs, ttt_loss_masks(loss_mask, steps=ttt_steps) * has_mass.unsqueeze(0))
+    return log_qs, label_draft.clamp_min(0), masks, soft
 
 
 def draft_vocab_miss(drafter: Drafter, batch: dict[str, Tensor]) -> float:
@@ -133,21 +172,51 @@ def _minibatches(batch: dict[str, Tensor], size: int, generator: torch.Generator
     return [{k: v[order[i : i + size]] for k, v in batch.items()} for i in range(0, len(order), size)]
 
 
-def _ttt_cross_entropy(log_qs: list[Tensor], labels: Tensor, masks: Tensor, decay: float) -> Tensor:
+def _ttt_cross_entropy(
+    log_qs: list[Tensor], ids: Tensor, probs: Tensor, masks: Tensor, decay: float
+) -> Tensor:
+    """The TTT loss: per step the masked mean of -sum_k p_k log q(id_k) ([B, T-1, k] targets:
+    one-hot hard labels are k = 1 with p = 1)."""
     step_losses = [
-        losses.masked_mean(values=-log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
-                           mask=masks[step])
+        losses.masked_mean(values=-(probs * log_q.gather(-1, ids)).sum(-1), mask=masks[step])
         for step, log_q in enumerate(log_qs)
-    ]  # fmt: skip
+    ]
     return losses.ttt_total_loss(step_losses=torch.stack(step_losses), decay=decay)
 
 
 def online_loss(
     drafter: Drafter, batch: dict[str, Tensor], *, ttt_steps: int = 2, decay: float = 0.8
 ) -> tuple[Tensor, int]:
-    """(loss, label count): TTT cross-entropy against the committed next tokens (module doc)."""
-    log_qs, labels, masks = _step_terms(drafter, batch, ttt_steps)
-    return _ttt_cross_entropy(log_qs, labels, masks, decay), int(masks[0].sum())
+    """(loss, label count): TTT cross-entropy to the target's kept distribution when the batch
+    holds label rows (soft labels), else to the committed next tokens (module docstring)."""
+    return _loss_from_terms(*_step_terms(drafter, batch, ttt_steps), decay)
+
+
+def _loss_from_terms(
+    log_qs: list[Tensor],
+    labels: Tensor,
+    masks: Tensor,
+    soft: tuple[Tensor, Tensor, Tensor] | None,
+    decay: float,
+) -> tuple[Tensor, int]:
+    """(loss, label count) from `_step_terms`: soft targets where the batch has them."""
+    if soft is not None:
+        ids, probs, soft_masks = soft
+        return _ttt_cross_entropy(log_qs, ids, probs, soft_masks, decay), int(soft_masks[0].sum())
+    ones = torch.ones_like(labels, dtype=log_qs[0].dtype).unsqueeze(-1)
+    return _ttt_cross_entropy(log_qs, labels.unsqueeze(-1), ones, masks, decay), int(masks[0].sum())
+
+
+LABELS = ("soft", "hard")
+
+
+def kept_label_rows(labels: str, top_k: int) -> int:
+    """How many target log-probs per served token the decoder must keep for `labels`."""
+    if labels not in LABELS:
+        raise ValueError(f"labels must be one of {LABELS}, got {labels!r}")
+    if top_k < 1:
+        raise ValueError(f"label_top_k must be >= 1, got {top_k}")
+    return int(top_k) if labels == "soft" else 0
 
 
 def topk_hits(log_q: Tensor, labels: Tensor, k: int) -> Tensor:
@@ -174,8 +243,8 @@ def online_metrics(
     with top_k children at the root)."""
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    log_qs, labels, masks = _step_terms(drafter, batch, ttt_steps)
-    metrics = {"loss": float(_ttt_cross_entropy(log_qs, labels, masks, decay))}
+    log_qs, labels, masks, soft = _step_terms(drafter, batch, ttt_steps)
+    metrics = {"loss": float(_loss_from_terms(log_qs, labels, masks, soft, decay)[0])}
     for step, log_q in enumerate(log_qs):
         for k in dict.fromkeys((1, top_k)):
             hits = topk_hits(log_q, labels, k)
@@ -202,9 +271,12 @@ class FrozenStrategy:
 
     name = "frozen"
 
-    def __init__(self, drafter: Drafter, *, ttt_steps: int = 2) -> None:
+    def __init__(
+        self, drafter: Drafter, *, ttt_steps: int = 2, labels: str = "soft", label_top_k: int = 32
+    ) -> None:
         self.drafter = drafter.eval()
         self.ttt_steps = int(ttt_steps)
+        self.label_top_k = kept_label_rows(labels, label_top_k)
 
     def update(self, generations: Sequence[Generation]) -> dict[str, float]:
         batch = feedback_batch(generations)
@@ -249,7 +321,10 @@ class OGDStrategy:
         epochs: int = 2,
         minibatch: int = 4,
         seed: int = 0,
+        labels: str = "soft",
+        label_top_k: int = 32,
     ) -> None:
+        self.label_top_k = kept_label_rows(labels, label_top_k)
         if lr <= 0 or steps_per_round < 1 or buffer_rounds < 1:
             raise ValueError(f"{self.name} needs lr > 0, steps_per_round >= 1, buffer_rounds >= 1")
         if epochs < 0 or minibatch < 1:
@@ -382,7 +457,10 @@ class OptimisticStrategy:
         momentum: float = 0.0,
         ttt_steps: int = 2,
         grad_clip: float = 0.5,
+        labels: str = "soft",
+        label_top_k: int = 32,
     ) -> None:
+        self.label_top_k = kept_label_rows(labels, label_top_k)
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError("optimistic needs lr > 0 and 0 <= momentum < 1")
         self.drafter = copy.deepcopy(drafter).float().eval()
@@ -444,7 +522,10 @@ class EnsembleStrategy:
         restart: bool = False,
         epochs: int = 2,
         minibatch: int = 4,
+        labels: str = "soft",
+        label_top_k: int = 32,
     ) -> None:
+        self.label_top_k = kept_label_rows(labels, label_top_k)
         if learners < 1 or ratio <= 0 or epsilon <= 0 or temperature <= 0:
             raise ValueError("ensemble needs learners >= 1, ratio, epsilon, temperature > 0")
         if weighting not in ("hedge", "softmax"):
@@ -584,10 +665,12 @@ class OSDStrategy(OGDStrategy):
         first_rejected: bool = True,
         epochs: int = 0,
         minibatch: int = 4,
+        labels: str = "soft",
+        label_top_k: int = 32,
     ) -> None:
         super().__init__(drafter, lr=lr, steps_per_round=steps_per_round, ttt_steps=ttt_steps,
                          grad_clip=grad_clip, buffer_rounds=buffer_rounds, epochs=epochs,
-                         minibatch=minibatch)  # fmt: skip
+                         minibatch=minibatch, labels=labels, label_top_k=label_top_k)  # fmt: skip
         self.first_rejected = bool(first_rejected)
 
     def round_batch(self, generations: Sequence[Generation]) -> dict[str, Tensor] | None:
@@ -699,5 +782,10 @@ def make_strategy(name: str, drafter: Drafter, **options: Any) -> OnlineStrategy
     if name not in STRATEGIES:
         raise ValueError(f"unknown online strategy {name!r}; available: {', '.join(STRATEGIES)}")
     if name == "frozen":
-        return FrozenStrategy(drafter, ttt_steps=int(options.get("ttt_steps", 2)))
+        return FrozenStrategy(
+            drafter,
+            ttt_steps=int(options.get("ttt_steps", 2)),
+            labels=str(options.get("labels", "soft")),
+            label_top_k=int(options.get("label_top_k", 32)),
+        )
     return STRATEGIES[name](drafter, **options)

@@ -88,7 +88,8 @@ def run_hindsight(
             chunk = range(begin, min(cut, begin + round_size))
             generations = [
                 replay_request(
-                    target, strategy.drafter, policy, requests[i].prompt, continuations[i]
+                    target, strategy.drafter, policy, requests[i].prompt, continuations[i],
+                    keep_labels=int(getattr(strategy, "label_top_k", 0)),
                 )
                 for i in chunk
             ]

@@ -176,13 +176,18 @@ def run_stream(
     window: list[tuple[dict[str, torch.Tensor], list[Any]]] = []
     for index in range(start_round, total_rounds):
         chunk = requests[index * round_size : (index + 1) * round_size]
-        decoder = SpeculativeDecoder(target, strategy.drafter, policy, keep_features=True)
+        labels = int(getattr(strategy, "label_top_k", 0))  # soft labels: kept as served
+        decoder = SpeculativeDecoder(
+            target, strategy.drafter, policy, keep_features=True, keep_labels=labels
+        )
         generations = []
         served_seconds = 0.0
         for offset, request in enumerate(chunk):
             known = None if continuations is None else continuations[index * round_size + offset]
             if known:
-                result = replay_request(target, strategy.drafter, policy, request.prompt, known)
+                result = replay_request(
+                    target, strategy.drafter, policy, request.prompt, known, keep_labels=labels
+                )
             else:
                 result = decoder.generate(request.prompt, max_new_tokens)
             generations.append(result)
@@ -255,16 +260,25 @@ FEEDBACK = "feedback"
 
 
 def replay_request(
-    target: Any, drafter: Any, policy: TreePolicy, prompt: Sequence[int], answer: Sequence[int]
+    target: Any,
+    drafter: Any,
+    policy: TreePolicy,
+    prompt: Sequence[int],
+    answer: Sequence[int],
+    *,
+    keep_labels: int = 0,
 ) -> Any:
     """What serving `prompt` with `drafter` gives at T = 0 when its greedy `answer` is known:
     the replayed records plus the committed tokens' target features (as ``keep_features``
-    decoding keeps them), from one teacher-forced pass."""
+    decoding keeps them) and, with `keep_labels`, their soft labels, from one teacher-forced
+    pass."""
     from lightning_spec.decoding.replay import replay_greedy, text_pass
 
     ids = torch.tensor([list(prompt) + list(answer)], device=target.device)
     text = text_pass(target, ids, len(prompt), features=True)
-    generation = replay_greedy(target, drafter, policy, prompt, answer, text=text)
+    generation = replay_greedy(
+        target, drafter, policy, prompt, answer, text=text, keep_labels=keep_labels
+    )
     generation.features = text.features[0, : ids.shape[1] - 1]
     return generation
 
