@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from lightning_spec.tracking.logger import read_mirror
+from lightning_spec.tracking.mirror import read_mirror
 
 
 def metric_series(run_dir: str | Path, metric: str) -> list[dict[str, float]]:

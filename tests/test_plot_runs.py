@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_spec.tracking.logger import MIRROR_NAME
+from lightning_spec.tracking.mirror import MIRROR_NAME
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,10 @@ target has one greedy token), which is why their probabilities add. Approximatio
   drafter (DFlash) drafts every depth in one forward: its measured step drafting time is charged
   once, whatever the depth (`draft_cost_model`), and only trees no deeper than its block are
   candidates.
+
+Why one file (~700 lines): the cost curve, the acceptance profile, the rank paths and the
+throughput model feed one decision (`--tree auto`) and share its assumptions; read apart, the
+model's terms would be defined in one module and used in another.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def is_user_error(error: BaseException) -> bool:
     from lightning_spec.data.assets import AssetError
     from lightning_spec.data.shards import StoreError
     from lightning_spec.io import LockTimeout
-    from lightning_spec.tracking.logger import TrackingUnavailableError
+    from lightning_spec.tracking.failures import TrackingUnavailableError
 
     expected = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
                 PermissionError, AssetError, StoreError, LockTimeout,

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from lightning_spec.tracking.logger import is_unreachable_error
+    from lightning_spec.tracking.failures import is_unreachable_error
     from lightning_spec.tracking.relog import relog
 
     try:

@@ -28,6 +28,10 @@ Batch (the contract the objectives rely on): ``input_ids``, ``attention_mask``, 
 (LongTensor [B, T], right-padded), optional ``features`` (FloatTensor [B, T, F], only when
 every row has cached features) and ``last_hidden`` (FloatTensor [B, T, H], the target's final
 hidden state, cached with the features), ``source`` (list[str]) and ``ids`` (list[str]).
+
+Why one file (~610 lines): the thin `RolloutDataModule` that composes the store preparation
+(data/preparation.py), epoch planning and sampling (data/sampling.py) and on-policy buffers
+(data/on_policy.py); what is left is Lightning's hooks and the configuration they check.
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ training conversation renders under strict chat templates and carries loss token
 * a trailing user turn without an answer is dropped, and a record left with no assistant turn
   is skipped (``require_assistant=True``, the default for training data). Prompt-only records
   are kept when ``require_assistant=False`` (the default for :class:`JsonlSource`).
+
+Why one file (~670 lines): every source is one small class behind the same interface
+(`Conversation` records, the same warnings for malformed input), and the shared JSON reader
+that makes a truncated file a clear error sits beside them.
 """
 
 from __future__ import annotations

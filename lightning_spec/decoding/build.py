@@ -13,6 +13,9 @@ fed to the model (KV cache, tree attention). Three policies:
 
 `parse_tree_spec` turns strings such as ``chain:4``, ``dynamic:5,8,32`` or ``static:tiny`` into a
 policy (config files and the CLI use it).
+
+Why one file (~630 lines): the three tree policies share the batched policy base, the tree
+constructor and `parse_tree_spec`, which names them all.
 """
 
 from __future__ import annotations

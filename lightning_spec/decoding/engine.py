@@ -9,6 +9,9 @@ accept/reject split, OnlineSpec the per-round feedback.
 drive the session step by step and may swap the drafter between steps. Drafting goes through
 the drafter's own proposer (`Drafter.proposer`, the seam objectives use for B trees) and
 verification through `decoding.score` (the tree-block conventions), so there is one engine.
+
+Why one file (~620 lines): the decoder and its per-request session are the one engine; the
+tree maths, masks and verification it calls live in their own modules (tree.py, verify.py).
 """
 
 from __future__ import annotations

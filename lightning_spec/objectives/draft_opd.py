@@ -48,6 +48,10 @@ configs/draft_opd_sft_control.yaml). Our extension for budgets where rollouts ar
 ``lambda_sft`` > 0 adds the EAGLE-3 token loss on dataset rows that ride along with the
 rollouts (`RolloutDataModule(rollout_sft_mix=True)`). Validation reports the EAGLE-3 token loss on held-out
 dataset answers (inherited from `EagleSFT`) beside the acceptance callbacks' tau.
+
+Why one file (~670 lines): one objective. The block replay (`replay_blocks`) exists only to feed
+this loss, and its slots, weights and teacher rows are read together with the loss terms; the
+pure maths it shares with other objectives is in `losses.py`.
 """
 
 from __future__ import annotations

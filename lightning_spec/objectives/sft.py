@@ -38,6 +38,9 @@ The loss mask of entry j is loss_mask[j + 1] (the predicted token is an assistan
 loss_k = masked soft cross-entropy, total = sum_k decay**k * loss_k (decay 0.8 in EAGLE-3).
 Top-1 accuracy compares the drafter's argmax with the target's argmax over the FULL target
 vocabulary, so at step 0 it estimates the greedy acceptance rate of the first draft token.
+
+Why one file (~615 lines): the TTT unroll, masks and losses that every EAGLE-3 objective reuses,
+and the SFT LightningModule that the other objectives subclass.
 """
 
 from __future__ import annotations

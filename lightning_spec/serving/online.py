@@ -317,7 +317,7 @@ def regret_proxy(strategy: OnlineStrategy, window: list[tuple[dict, list[Any]]])
     served each round, minus that of the best single one of them in hindsight (each served
     model evaluated on every round of the window). 0 for a frozen drafter; negative when the
     updates tracked the stream better than any one model could."""
-    from lightning_spec.objectives.online import feedback_batch, online_loss
+    from lightning_spec.objectives.online_loss import feedback_batch, online_loss
 
     drafter = copy.deepcopy(strategy.drafter).eval()
     batches = [feedback_batch(generations) for _, generations in window]

@@ -8,21 +8,21 @@ itself is imported only when a logger first talks to the store (~5 s import).
 
 A tracking server that goes away must not cost a training run (docs/tracking.md). The logger
 therefore first appends everything it logs (params, metrics with step and timestamp, artifact
-paths, the final status) to `<run_dir>/mlflow_mirror.jsonl`, and only then calls MLflow. When
-a call fails because the store cannot be reached, it warns once, goes offline (no further
-calls, so no per-step retries) and training carries on; `lightning-spec relog <run_dir>` later
-replays the mirror into MLflow.
+paths, the final status) to `<run_dir>/mlflow_mirror.jsonl` (`tracking/mirror.py`), and only
+then calls MLflow. When a call fails because the store cannot be reached
+(`tracking/failures.py`), it warns once, goes offline (no further calls, so no per-step
+retries) and training carries on; `lightning-spec relog <run_dir>` later replays the mirror
+into MLflow.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +30,21 @@ from lightning.pytorch.loggers import MLFlowLogger
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_only
 
-from lightning_spec.io import is_disk_full
+from lightning_spec.tracking.failures import (
+    LOCK_RETRY_DELAYS,
+    OFFLINE_CLIENT,
+    TrackingUnavailableError,
+    is_locked_error,
+    is_unreachable_error,
+    short_reason,
+)
+from lightning_spec.tracking.mirror import MIRROR_NAME, RunMirror, read_mirror
 
 __all__ = [
-    "MIRROR_NAME",
-    "RunMirror",
     "SpecMLFlowLogger",
-    "TrackingUnavailableError",
     "default_artifact_location",
     "default_tracking_uri",
-    "is_locked_error",
-    "is_unreachable_error",
     "make_mlflow_logger",
-    "read_mirror",
     "safe_log_artifact",
 ]
 
@@ -50,7 +52,6 @@ log = logging.getLogger("lightning_spec.tracking")
 """The package's name, not this module's: users filter and configure `lightning_spec.tracking`."""
 
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
-MIRROR_NAME = "mlflow_mirror.jsonl"
 # MLflow retries an unreachable server 7 times with backoff factor 2 and waits 120 s per
 # request by default: minutes per call. For remote stores the logger sets these bounded
 # defaults (an outage then costs ~3 s, or ~3x the timeout for a host that drops packets),
@@ -59,7 +60,6 @@ HTTP_RETRIES_ENV = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
 HTTP_BACKOFF_ENV = "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"
 HTTP_TIMEOUT_ENV = "MLFLOW_HTTP_REQUEST_TIMEOUT"
 _PARAM_LIMIT = 250  # what Lightning's MLFlowLogger keeps of a parameter value
-_REASON_LIMIT = 300
 
 
 def _run_root(run_dir: str | Path) -> Path:
@@ -93,241 +93,6 @@ def default_artifact_location(
         return None
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment_name).strip("_") or "default"
     return (_run_root(run_dir) / "mlartifacts" / safe).as_uri()
-
-
-# --------------------------------------------------------------------------- failures
-
-
-class TrackingUnavailableError(RuntimeError):
-    """The tracking store cannot be reached and the logger was told not to carry on offline."""
-
-
-def _exception_chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    stack = [exc]
-    while stack and len(seen) < 16:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        stack += [current.__cause__, current.__context__]
-
-
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    kinds: list[type[BaseException]] = [ConnectionError, TimeoutError, socket.gaierror]
-    try:
-        import requests
-
-        kinds.append(requests.exceptions.RequestException)
-    except ImportError:  # pragma: no cover - mlflow depends on requests
-        pass
-    try:
-        import urllib3
-
-        kinds.append(urllib3.exceptions.HTTPError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(kinds)
-
-
-def is_unreachable_error(exc: BaseException) -> bool:
-    """True when `exc` says the tracking store could not be reached or did not answer.
-
-    Covers MLflow's wrapping of transport failures (`API request to ... failed with ...`,
-    connection refused, timeouts, retries exhausted on 5xx answers), the exceptions themselves,
-    and a SQLite/SQL store that is locked or unavailable (`OperationalError`). An error the
-    server answered with (a bad parameter, an unknown run) is not one: that is a real error.
-    """
-    transport = _transport_errors()
-    from mlflow.exceptions import MlflowException
-
-    for error in _exception_chain(exc):
-        if isinstance(error, transport):
-            return True
-        kind = type(error)
-        if kind.__name__ == "OperationalError" and kind.__module__.startswith("sqlalchemy"):
-            return True
-        if isinstance(error, MlflowException):
-            code = getattr(error, "error_code", "")
-            if code in {"TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED"}:
-                return True
-            if str(getattr(error, "message", error)).startswith("API request to "):
-                return True
-    return False
-
-
-#: Waits between attempts when a SQLite store answers "database is locked" (after MLflow's own
-#: 20 s busy timeout each time): a store busy with another process's writes is not gone.
-LOCK_RETRY_DELAYS = (0.25, 0.5, 1.0, 2.0, 4.0)
-
-
-def is_locked_error(exc: BaseException) -> bool:
-    """True when `exc` is SQLite saying another connection holds the database's lock."""
-    for error in _exception_chain(exc):
-        if type(error).__name__ == "OperationalError" and "is locked" in str(error):
-            return True
-    return False
-
-
-def _short(exc: BaseException) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= _REASON_LIMIT else text[: _REASON_LIMIT - 3] + "..."
-
-
-class _OfflineClient:
-    """Stands in for the MlflowClient once the logger is offline: every method is a no-op
-    returning None, so code that calls `logger.experiment.<method>(...)` does not crash."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: None
-
-    def __repr__(self) -> str:
-        return "<offline MLflow client: calls are skipped, see the run's mlflow_mirror.jsonl>"
-
-
-_OFFLINE_CLIENT = _OfflineClient()
-
-
-# --------------------------------------------------------------------------- the mirror
-
-
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "item"):  # numpy / torch scalars
-        try:
-            return value.item()
-        except (TypeError, ValueError):
-            pass
-    return str(value)
-
-
-class RunMirror:
-    """Append-only JSONL file holding everything a logger sent (or meant to send) to MLflow.
-
-    One JSON object per line, each with `seq` (increasing across the file), `type` and `time`
-    (seconds since the epoch). Types: `start` (a logger session: tracking URI, experiment, run
-    name, tags), `run` (the MLflow run it got), `params`, `metrics` (`step`, `timestamp` in ms,
-    `metrics`), `artifact` (`local_path`, `artifact_path`, `dir`), `offline` (the store became
-    unreachable; `first_unsent_seq`), `end` (`status`), `killed_run` (an earlier session's run
-    this one found RUNNING with its process gone and marked KILLED), and `relog` (written by `lightning-spec
-    relog`: which records went to which run). Each line is written and flushed (no fsync)
-    before MLflow is called; the file is opened per write, so the logger stays picklable.
-    """
-
-    #: Records held in memory while the disk is full, at most (the oldest are dropped beyond).
-    MAX_PENDING = 200_000
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._next_seq: int | None = None
-        self._pending: list[str] = []  # lines not yet on disk (the disk was full)
-        self.dropped = 0  # lines lost past MAX_PENDING while the disk stayed full
-        self._disk_full = False  # inside a full-disk episode (warned once per episode)
-
-    def _prepare(self) -> int:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.path.is_file():
-            return 0
-        last = -1
-        with self.path.open("rb") as handle:
-            data = handle.read()
-        for line in data.splitlines():
-            try:
-                last = max(last, int(json.loads(line)["seq"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a crash
-        if data and not data.endswith(b"\n"):
-            self._pending.append("\n")  # never glue a record onto a torn line
-        return last + 1
-
-    def write(self, kind: str, **fields: Any) -> int:
-        """Append one record; returns its `seq`."""
-        if self._next_seq is None:
-            self._next_seq = self._prepare()
-        seq = self._next_seq
-        record = {"seq": seq, "type": kind, "time": round(time.time(), 3), **fields}
-        self._pending.append(json.dumps(record, default=_json_default, allow_nan=True) + "\n")
-        self._next_seq = seq + 1
-        self.flush()
-        return seq
-
-    @property
-    def pending(self) -> int:
-        """Records written to memory only, waiting for disk space."""
-        return len(self._pending)
-
-    def flush(self) -> bool:
-        """Append the pending lines; on a full disk (ENOSPC, EDQUOT) keep them in memory, warn
-        once per episode, and try again at the next write: a full disk must cost neither the
-        training run nor, once space returns, the mirror's records. True when all are on disk."""
-        if not self._pending:
-            return True
-        data = "".join(self._pending)
-        try:
-            with self.path.open("a", encoding="utf-8") as handle:
-                handle.write(data)
-        except OSError as error:
-            if not is_disk_full(error):
-                raise
-            self._truncate_partial()
-            if len(self._pending) > self.MAX_PENDING:
-                excess = len(self._pending) - self.MAX_PENDING
-                del self._pending[:excess]
-                self.dropped += excess
-            if not self._disk_full:
-                self._disk_full = True
-                log.error(
-                    "the disk holding %s is full (%s): training continues, %d tracking "
-                    "record(s) wait in memory and are written when space returns (free space; "
-                    "MLflow still gets every call while it is reachable)",
-                    self.path, os.strerror(error.errno), len(self._pending),
-                )  # fmt: skip
-            return False
-        if self._disk_full:
-            self._disk_full = False
-            log.warning(
-                "disk space is back: %d held tracking record(s) written", len(self._pending)
-            )
-        self._pending.clear()
-        return True
-
-    def _truncate_partial(self) -> None:
-        """After a failed append, cut a torn last line (readers skip one, but a retry would
-        append after it and make two records unreadable)."""
-        if not self.path.is_file():
-            return
-        try:
-            with self.path.open("rb+") as handle:
-                data = handle.read()
-                if data and not data.endswith(b"\n"):
-                    handle.truncate(data.rfind(b"\n") + 1)
-        except OSError:
-            pass
-
-
-def read_mirror(path: str | Path) -> tuple[list[dict[str, Any]], int]:
-    """All records of a mirror file (a run folder or the file itself), and how many lines
-    could not be parsed (a torn last line after a crash)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / MIRROR_NAME
-    records, bad = [], 0
-    with path.open("r", encoding="utf-8") as handle:
-        for line in handle:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(record, dict) and "seq" in record and "type" in record:
-                records.append(record)
-            else:
-                bad += 1
-    return records, bad
 
 
 # --------------------------------------------------------------------------- the logger
@@ -448,7 +213,7 @@ class SpecMLFlowLogger(MLFlowLogger):
         at_start = not self._initialized
         first_unsent = self._sending
         self._offline = True
-        self._offline_reason = _short(exc)
+        self._offline_reason = short_reason(exc)
         self._record(
             "offline", reason=self._offline_reason, during=during, first_unsent_seq=first_unsent
         )
@@ -505,7 +270,7 @@ class SpecMLFlowLogger(MLFlowLogger):
         """The MlflowClient (creating the run on first use); once offline, a stand-in whose
         methods do nothing."""
         if self._offline:
-            return _OFFLINE_CLIENT
+            return OFFLINE_CLIENT
         if self._initialized:
             return self._mlflow_client
         try:
@@ -514,7 +279,7 @@ class SpecMLFlowLogger(MLFlowLogger):
             if not is_unreachable_error(exc):
                 raise
             self._go_offline(exc, "creating the MLflow run")
-            return _OFFLINE_CLIENT
+            return OFFLINE_CLIENT
         if not self._run_recorded:
             self._run_recorded = True
             earlier = self._earlier_sessions()
@@ -560,7 +325,7 @@ class SpecMLFlowLogger(MLFlowLogger):
                     )  # fmt: skip
                 self._record("killed_run", run_id=run_id, status="KILLED")
             except Exception as exc:  # never fail a new run over an old one's status
-                log.warning("could not mark the killed run %s: %s", run_id, _short(exc))
+                log.warning("could not mark the killed run %s: %s", run_id, short_reason(exc))
 
     @property
     def name(self) -> str | None:
@@ -666,7 +431,7 @@ class SpecMLFlowLogger(MLFlowLogger):
             raise
         except Exception as exc:  # an artifact never stops training
             log.warning(
-                "could not log artifact %s to MLflow (%s); it stays on disk", path, _short(exc)
+                "could not log artifact %s to MLflow (%s); it stays on disk", path, short_reason(exc)
             )
             return False
 
@@ -749,7 +514,7 @@ def safe_log_artifact(
         upload(logger.run_id, str(path), artifact_path)
         return True
     except Exception as exc:  # an artifact never stops training
-        log.warning("could not log artifact %s to MLflow (%s); it stays on disk", path, _short(exc))
+        log.warning("could not log artifact %s to MLflow (%s); it stays on disk", path, short_reason(exc))
         return False
 
 

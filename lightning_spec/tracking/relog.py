@@ -106,7 +106,7 @@ def _run_exists(client: Any, run_id: str | None) -> bool:
         return False
     from mlflow.exceptions import MlflowException
 
-    from lightning_spec.tracking.logger import is_unreachable_error
+    from lightning_spec.tracking.failures import is_unreachable_error
 
     try:
         run = client.get_run(run_id)
@@ -275,7 +275,7 @@ def relog(
     session. Appends a `relog` record per session it sent, unless `dry_run`."""
     from mlflow.tracking import MlflowClient
 
-    from lightning_spec.tracking.logger import MIRROR_NAME, RunMirror, read_mirror
+    from lightning_spec.tracking.mirror import MIRROR_NAME, RunMirror, read_mirror
 
     path = Path(run_dir).expanduser().resolve()
     if path.is_file():

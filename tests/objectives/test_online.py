@@ -16,12 +16,8 @@ from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.online import (
-    feedback_batch,
-    make_strategy,
-    online_loss,
-    topk_hits,
-)
+from lightning_spec.objectives.online import make_strategy
+from lightning_spec.objectives.online_loss import feedback_batch, online_loss, topk_hits
 from lightning_spec.serving.online import run_stream
 from lightning_spec.serving.stream import Request
 
@@ -200,7 +196,7 @@ def test_the_safety_guard_rolls_back_an_update_that_costs_acceptance(
 
 
 def test_rejection_slots_are_where_the_target_chose_otherwise(target: TargetModel) -> None:
-    from lightning_spec.objectives.online import rejection_slots
+    from lightning_spec.objectives.online_loss import rejection_slots
 
     drafter = HELPERS._drafter(target)
     generations = _round(target, drafter, 3)
@@ -226,11 +222,11 @@ def test_osd_and_dpo_learn_from_the_rejections(target: TargetModel) -> None:
         -torch.nn.functional.logsigmoid(torch.tensor(0.0)).item(), abs=1e-6
     )  # the first step compares the drafter with itself: margin 0, loss log 2
     batch, pairs = dpo.pairs(generations)
-    from lightning_spec.objectives.online import _pair_logprobs
+    from lightning_spec.objectives.online_loss import pair_logprobs
 
     with torch.no_grad():
-        chosen, rejected = _pair_logprobs(dpo.drafter, batch, pairs)
-        chosen0, rejected0 = _pair_logprobs(drafter, batch, pairs)
+        chosen, rejected = pair_logprobs(dpo.drafter, batch, pairs)
+        chosen0, rejected0 = pair_logprobs(drafter, batch, pairs)
     # after the update the chosen tokens gained on the rejected drafts
     assert float(((chosen - chosen0) - (rejected - rejected0)).mean()) > 0
     by_hand = losses.dpo_loss(
@@ -327,7 +323,7 @@ def test_a_replayed_stream_equals_the_live_one(
 def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None:
     """Minibatch epochs (the default), OSD at the first rejected position only, the ensemble's
     learners restarted from the average, and the share of served tokens no draft can cover."""
-    from lightning_spec.objectives.online import draft_vocab_miss, rejection_slots
+    from lightning_spec.objectives.online_loss import draft_vocab_miss, rejection_slots
 
     drafter = HELPERS._drafter(target)  # a 48-token draft vocabulary of 128
     generations = [_round(target, drafter, 3)[i] for i in range(3)]

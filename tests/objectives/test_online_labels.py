@@ -15,12 +15,8 @@ from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.online import (
-    feedback_batch,
-    make_strategy,
-    online_loss,
-    soft_targets,
-)
+from lightning_spec.objectives.online import make_strategy
+from lightning_spec.objectives.online_loss import feedback_batch, online_loss, soft_targets
 from lightning_spec.serving.online import replay_request
 
 

@@ -33,6 +33,9 @@ reduced draft vocabulary (``d2t``/``t2d``). A third only with ``anchor_feature``
 fuses the anchor's embedding with the projected feature of the entry it was absorbed with
 (f_{R-1} beside t_R, EAGLE's pairing), so the first slot, where a block drafter loses most
 against an EAGLE head, sees the latest context feature in its own residual stream.
+
+Why one file (~630 lines): one drafter, its layers and its block proposer (the decoder's seam);
+the proposer reads the drafter's state layout, so they change together.
 """
 
 from __future__ import annotations
