@@ -126,3 +126,15 @@ def test_online_refuses_a_stream_the_drafter_trained_on(tmp_path: Path) -> None:
     # the config's train_data stands in for a folder without a record
     named = {"drafter": str(tmp_path), "train_data": [{"source": str(stream), "count": 4}]}
     assert "2 stream prompts" in (check_stream_is_new(named, after, tmp_path / "o5") or "")
+
+
+def test_drop_overlap_serves_the_rest_of_the_stream(tmp_path: Path) -> None:
+    stream = _jsonl(
+        tmp_path / "stream.jsonl", [{"id": f"s{i}", "prompt": d} for i, d in enumerate(DOCS)]
+    )
+    config = {"drafter": str(tmp_path), "train_data": [{"source": str(stream), "count": 1}],
+              "drop_overlap": True}  # fmt: skip
+    requests = _requests(stream, ["s0", "s1", "s2"])
+    assert check_stream_is_new(config, requests, tmp_path / "out") is None
+    assert [r.id for r in requests] == ["s1", "s2"]  # s0 was trained on: dropped, order kept
+    assert json.loads((tmp_path / "out" / "overlap.json").read_text())["dropped"] == ["s0"]

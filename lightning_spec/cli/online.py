@@ -34,7 +34,7 @@ __all__ = ["load_config", "main", "parse_value"]
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
         "record_feedback", "replay", "replay_cache", "replay_batch", "update_every",
-        "train_data", "allow_overlap"}  # fmt: skip
+        "train_data", "allow_overlap", "drop_overlap"}  # fmt: skip
 
 
 def parse_value(raw: str) -> Any:
@@ -91,7 +91,10 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
 def check_stream_is_new(config: dict[str, Any], requests: list[Any], out: Path) -> str | None:
     """Check the stream against what the drafter trained on (the drafter folder's record, else
     the config's ``train_data``), write ``OUT/overlap.json``, and return an error when a stream
-    prompt is a training prompt (unless ``allow_overlap: true``)."""
+    prompt is a training prompt (unless ``allow_overlap: true``). ``drop_overlap: true`` removes
+    those requests from `requests` (in place, listed in overlap.json as ``dropped``) instead: a
+    narrow domain repeats itself (a docstring shared by two functions), and the rest of the
+    stream is still new."""
     from lightning_spec.serving.overlap import check_overlap, drafter_training_data, stream_prompts
 
     training = drafter_training_data(config["drafter"]) or config.get("train_data")
@@ -107,11 +110,19 @@ def check_stream_is_new(config: dict[str, Any], requests: list[Any], out: Path) 
           f"{len(report['same_id'])} same ids, {len(report['exact'])} identical prompts, "
           f"{len(report['ngram'])} of {report['requests']} share a {report['n']}-word run "
           f"(overlap.json)")  # fmt: skip
-    if (report["same_id"] or report["exact"]) and not config.get("allow_overlap"):
+    found = set(report["same_id"] + report["exact"])
+    if found and config.get("drop_overlap"):
+        requests[:] = [r for r in requests if r.id not in found]
+        report["dropped"] = sorted(found)
+        (out / "overlap.json").write_text(json.dumps(report, indent=2) + "\n")
+        print(f"online: dropped the {len(found)} stream requests the drafter trained on "
+              f"(drop_overlap); {len(requests)} left", file=sys.stderr)  # fmt: skip
+        return None
+    if found and not config.get("allow_overlap"):
         first = (report["same_id"] + report["exact"])[:3]
         return (f"{len(set(report['same_id'] + report['exact']))} stream prompts are in the "
                 f"drafter's training set (e.g. {first}): skip past them, or set allow_overlap: "
-                f"true")  # fmt: skip
+                f"true, or drop them with drop_overlap: true")  # fmt: skip
     return None
 
 
