@@ -11,6 +11,7 @@ import torch
 from lightning_spec.bench import runner as bench_runner
 from lightning_spec.bench.replay import replay_bench, replay_markdown
 from lightning_spec.cli import bench as bench_cli
+from lightning_spec.io import sha256_file
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.drafters.standalone import StandaloneDrafter
 from lightning_spec.models.target import TargetModel
@@ -100,6 +101,10 @@ def test_cli_replay(tmp_path: Path) -> None:
     assert bench_cli.main([*common, "--tree", "chain:2", "--output", str(output)]) == 0
     result = json.loads(output.read_text())
     assert result["config"]["replay"] is True
+    # the results name the drafter's weights, so they say what was compared after it is gone
+    assert result["config"]["drafter_sha256"] == {
+        str(drafter): sha256_file(drafter / "model.safetensors")
+    }
     assert {r["method"] for r in result["rows"]} == {"speculative:eagle"}
     assert len(result["per_prompt"]) == 4 and output.with_suffix(".md").is_file()
     assert bench_cli.main([*common, "--tree", "chain:2+lookup:2,6"]) == 2

@@ -170,6 +170,19 @@ def drafter_labels(specs: Sequence[str]) -> list[str]:
             return [f"{label}#{i}" if label in clashes else label for i, label in enumerate(labels)]
 
 
+def drafter_weights_sha256(specs: Sequence[str]) -> dict[str, str]:
+    """{drafter spec: sha256 of its weights file} for every drafter given as a folder, so a
+    results file names exactly which drafters it compared, after their folders are gone."""
+    from lightning_spec.io import sha256_file
+
+    out = {}
+    for spec in specs:
+        weights = Path(spec) / "model.safetensors"
+        if weights.is_file():
+            out[spec] = sha256_file(weights)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """`lightning-spec bench`; returns 0, 1 when greedy outputs mismatched, 3 when busy and
     --require-idle was given."""
@@ -224,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_commit(),
         "machine": machine,
         "drafter": drafter_specs,
+        "drafter_sha256": drafter_weights_sha256(drafter_specs),
         "threads": args.threads,
     }
     trees: Any = args.tree or ["chain:4"]
