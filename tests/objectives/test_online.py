@@ -5,7 +5,6 @@ killed stream resumes at its round with the same results as an uninterrupted one
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,17 +19,9 @@ from lightning_spec.objectives.online import make_strategy
 from lightning_spec.objectives.online_loss import feedback_batch, online_loss, topk_hits
 from lightning_spec.serving.online import run_stream
 from lightning_spec.serving.stream import Request
+from tests.conftest import load_module
 
-
-def _helpers():  # noqa: ANN202
-    path = Path(__file__).with_name("test_sft.py")
-    spec = importlib.util.spec_from_file_location("sft_helpers_online", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-HELPERS = _helpers()
+HELPERS = load_module(Path(__file__).with_name("test_sft.py"), "sft_helpers_online")
 POLICY = "dynamic:3,3,8"
 
 

@@ -4,7 +4,6 @@ target's distribution renormalised over the draft vocabulary."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
@@ -18,17 +17,9 @@ from lightning_spec.models.tiny import tiny_config
 from lightning_spec.objectives.online import make_strategy
 from lightning_spec.objectives.online_loss import feedback_batch, online_loss, soft_targets
 from lightning_spec.serving.online import replay_request
+from tests.conftest import load_module
 
-
-def _helpers():  # noqa: ANN202
-    path = Path(__file__).with_name("test_sft.py")
-    spec = importlib.util.spec_from_file_location("sft_helpers_online_labels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-HELPERS = _helpers()
+HELPERS = load_module(Path(__file__).with_name("test_sft.py"), "sft_helpers_online_labels")
 POLICY = "dynamic:3,3,8"
 
 
