@@ -72,6 +72,9 @@ class OnlineStrategy(Protocol):
 
     name: str
     drafter: Drafter
+    label_top_k: int
+    """How many of the target's top log-probs per served token the decoder keeps for `update`
+    (soft labels; 0: none)."""
 
     def update(self, generations: Sequence[Generation]) -> dict[str, float]: ...
 
@@ -454,6 +457,7 @@ class DPOStrategy:
     """Preference updates at rejected drafts (see the module docstring)."""
 
     name = "dpo"
+    label_top_k = 0  # learns from (chosen, rejected) token pairs, not from distributions
 
     def __init__(
         self,

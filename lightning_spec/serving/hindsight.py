@@ -89,7 +89,7 @@ def run_hindsight(
             generations = [
                 replay_request(
                     target, strategy.drafter, policy, requests[i].prompt, continuations[i],
-                    keep_labels=int(getattr(strategy, "label_top_k", 0)),
+                    keep_labels=strategy.label_top_k,
                 )
                 for i in chunk
             ]

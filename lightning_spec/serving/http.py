@@ -68,7 +68,7 @@ class OnlineServer:
             decoder = SpeculativeDecoder(
                 self.target, self.strategy.drafter, self.policy, temperature=temperature,
                 keep_features=temperature == 0,
-                keep_labels=int(getattr(self.strategy, "label_top_k", 0)) if temperature == 0 else 0,
+                keep_labels=self.strategy.label_top_k if temperature == 0 else 0,
             )  # fmt: skip
             result = decoder.generate(ids, max_tokens, generator=self.generator)
             self.stats["requests"] += 1

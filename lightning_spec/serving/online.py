@@ -176,7 +176,7 @@ def run_stream(
     window: list[tuple[dict[str, torch.Tensor], list[Any]]] = []
     for index in range(start_round, total_rounds):
         chunk = requests[index * round_size : (index + 1) * round_size]
-        labels = int(getattr(strategy, "label_top_k", 0))  # soft labels: kept as served
+        labels = strategy.label_top_k  # soft labels: kept as served
         decoder = SpeculativeDecoder(
             target, strategy.drafter, policy, keep_features=True, keep_labels=labels
         )
