@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_spec.data.on_policy import (
@@ -566,6 +567,18 @@ class RolloutDataModule(pl.LightningDataModule):
             if prompt:
                 prompts.append(prompt)
         return prompts
+
+    def train_token_counts(self, vocab_size: int) -> Tensor:
+        """Frequencies of the training records' loss tokens (`vocab_source: data`). Needs
+        ``setup``; every rank counts all records (not its share), so ranks agree."""
+        if self.mode == "on_policy":
+            raise ValueError(
+                "vocab_source: data counts fixed training records; mode on_policy has none "
+                "before its first rollouts: name a source (e.g. vocab_source: sharegpt)"
+            )
+        if self._train is None:
+            raise RuntimeError("train_token_counts needs the data set up: call setup('fit') first")
+        return self._train.loss_token_counts(vocab_size)
 
     def eval_prompts(self, limit: int | None = None) -> list[list[int]]:
         """Token ids of held-out prompts (``prompts_for_eval``), rendered with the chat template

@@ -89,6 +89,14 @@ class RecordTable(Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
+    def loss_token_counts(self, vocab_size: int) -> Tensor:
+        """Frequencies [vocab_size] of the tokens the records train on (loss mask 1): what a
+        draft vocabulary must cover."""
+        ids = torch.from_numpy(self.input_ids[self.loss_mask.astype(bool)])
+        if ids.numel() and int(ids.max()) >= vocab_size:
+            raise ValueError(f"token id {int(ids.max())} out of a vocabulary of {vocab_size}")
+        return torch.bincount(ids, minlength=vocab_size)
+
     def __getitem__(self, index: int) -> dict[str, Any]:
         lo, hi = int(self.offsets[index]), int(self.offsets[index + 1])
         return {

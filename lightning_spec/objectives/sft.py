@@ -261,6 +261,11 @@ def _vocab_counts_key(target: TargetModel, source: str) -> str:
     return f"v{target.vocab_size}-tok{tokenizer}-{data}"
 
 
+VOCAB_FROM_DATA = "data"
+"""`vocab_source` value: count the draft vocabulary over the training records' loss tokens (the
+texts the drafter learns, e.g. the target's regenerated answers), once the data is set up."""
+
+
 def draft_token_counts(
     target: TargetModel,
     *,
@@ -287,7 +292,10 @@ def draft_token_counts(
     name = f"{_vocab_counts_key(target, source)}-{conversations}.pt"
     path = cache_root(cache_dir) / "vocab" / name
     if path.is_file():
-        return torch.load(path, map_location="cpu")
+        counts = torch.load(path, map_location="cpu")
+        if int(counts.sum()) > 0:
+            return counts
+        path.unlink()  # an empty count cached by an older version: count again (and fail)
     counts = torch.zeros(target.vocab_size, dtype=torch.long)
     seen = 0
     for conversation in load_source(source, cache_dir=cache_dir, limit=conversations):
@@ -300,6 +308,14 @@ def draft_token_counts(
         seen += 1
     if seen == 0:
         raise ValueError(f"data source {source!r} yielded no conversations")
+    if int(counts.sum()) == 0:
+        # A prompt-only stream has no assistant turns: every count would be 0 and the "most
+        # frequent" ids would silently be ids 0..k-1 (a vocabulary that cannot draft the answers).
+        raise ValueError(
+            f"vocab_source {source!r} has no assistant turns to count (a prompt-only stream?): "
+            f"set vocab_source: {VOCAB_FROM_DATA} to count the draft vocabulary over the texts "
+            "the drafter trains on (in mode regenerated, the target's own answers)"
+        )
     log.info("draft vocabulary: counted %d tokens over %d conversations", int(counts.sum()), seen)
     with atomic_write(path) as handle:
         torch.save(counts, handle)
@@ -359,8 +375,11 @@ class EagleSFT(Objective):
             draft_vocab_size: Size of the reduced draft vocabulary of a fresh drafter (the
                 target's vocabulary size, or more, keeps the full vocabulary).
             vocab_source: Data source whose assistant turns give the token frequencies of the
-                draft vocabulary (sharegpt, mtbench, humaneval or a .jsonl/.json path).
-            vocab_conversations: How many conversations of `vocab_source` to count.
+                draft vocabulary (sharegpt, mtbench, humaneval or a .jsonl/.json path), or
+                "data": the loss tokens of the training records themselves (what a prompt-only
+                stream in mode regenerated needs: the target's own answers).
+            vocab_conversations: How many conversations of `vocab_source` to count (with
+                "data": all training records are counted).
             ttt_steps: K, the number of training-time-test unroll steps (7 in EAGLE-3).
             ttt_decay: Weight decay**k of unroll step k in the total loss (0.8 in EAGLE-3).
             lr: Peak learning rate of AdamW.
@@ -395,9 +414,7 @@ class EagleSFT(Objective):
                 attention to the context.
         """
         if drafter_type not in ("eagle3", "hydra", "dflash"):
-            raise ValueError(
-                f"drafter_type must be eagle3, hydra or dflash, got {drafter_type!r}"
-            )
+            raise ValueError(f"drafter_type must be eagle3, hydra or dflash, got {drafter_type!r}")
         from lightning_spec.objectives.block import BLOCK_WEIGHTINGS
 
         if block_weighting not in BLOCK_WEIGHTINGS:
@@ -432,12 +449,19 @@ class EagleSFT(Objective):
         self._tokens_seen = 0
         self._anchor_generator = torch.Generator().manual_seed(int(seed))
 
-    def build_drafter(self, target: TargetModel) -> Drafter:
-        """A fresh EAGLE-3 head with a draft vocabulary counted on `vocab_source`."""
+    def build_drafter(self, target: TargetModel, token_counts: Tensor | None = None) -> Drafter:
+        """A fresh EAGLE-3 head with a draft vocabulary counted on `vocab_source` (or on
+        `token_counts`). With `vocab_source: data` the counts exist only once the data is set up:
+        the head built here is provisional and `setup` rebuilds it from the training records."""
         hp = self.hparams
-        counts = None
+        counts = token_counts
         draft_vocab = min(int(hp.draft_vocab_size), target.vocab_size)
-        if draft_vocab < target.vocab_size:
+        self._vocab_pending = (
+            counts is None
+            and draft_vocab < target.vocab_size
+            and hp.vocab_source == VOCAB_FROM_DATA
+        )
+        if draft_vocab < target.vocab_size and counts is None and not self._vocab_pending:
             counts = draft_token_counts(
                 target,
                 source=hp.vocab_source,
@@ -474,6 +498,31 @@ class EagleSFT(Objective):
             intermediate_size=hp.intermediate_size,
             feature_norm=bool(hp.get("feature_norm", False)),
         )
+
+    def setup(self, stage: str) -> None:
+        """`vocab_source: data`: count the draft vocabulary over the training records' loss
+        tokens and rebuild the fresh head with it, before the optimizer sees its parameters (a
+        resumed run counts the same records and gets the same vocabulary)."""
+        super().setup(stage)
+        if not getattr(self, "_vocab_pending", False) or stage != "fit":
+            return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        count = getattr(datamodule, "train_token_counts", None)
+        if count is None:
+            raise ValueError(
+                f"vocab_source: {VOCAB_FROM_DATA} counts the training records of a "
+                f"RolloutDataModule; this run's data is {type(datamodule).__name__}: name a "
+                "source with assistant turns instead (e.g. vocab_source: sharegpt)"
+            )
+        counts = count(self.target.vocab_size)
+        if int(counts.sum()) == 0:
+            raise ValueError("vocab_source: data: the training records have no loss tokens")
+        log.info(
+            "draft vocabulary: counted %d loss tokens of the training records", int(counts.sum())
+        )
+        drafter = self.build_drafter(self.target, token_counts=counts).float()
+        drafter.bind_target(self.target)
+        self.drafter = drafter.train(self.training)
 
     # ---------------------------------------------------------------------------- steps
     def _target_outputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:

@@ -585,3 +585,68 @@ def test_stores_of_the_embedded_default_are_adopted_not_recomputed(
     old = root / f"dataset-{config_hash(other.store_config('dataset', legacy=True))}"
     old.mkdir()
     assert other.store_dir("dataset") != old and old.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# The draft vocabulary of a prompt-only stream (vocab_source: data)
+# --------------------------------------------------------------------------------------------
+
+
+def test_prompt_only_stream_counts_its_vocabulary_on_the_target_answers(
+    tmp_path: Path, chat_tokenizer, tiny_target
+) -> None:
+    """A prompt-only stream has no assistant turns: counting it must fail loudly (it once gave
+    ids 0..k-1 in silence), and `vocab_source: data` counts the target's regenerated answers."""
+    from lightning import Trainer
+
+    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
+    from lightning_spec.models.vocab import build_draft_vocab
+    from lightning_spec.objectives.sft import EagleSFT, draft_token_counts
+
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    stream = tmp_path / "stream.jsonl"
+    rows = [{"prompt": f"{words[i % 5]} {words[(i * 3) % 5]}"} for i in range(24)]
+    stream.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match="vocab_source: data"):
+        draft_token_counts(tiny_target, source=str(stream), conversations=24, cache_dir=tmp_path)
+
+    data = _module(stream, tmp_path, chat_tokenizer, tiny_target, mode="regenerated")
+    vocab = len(chat_tokenizer)
+    counts = data.train_token_counts(vocab)
+    table = data._train
+    by_hand = torch.zeros(vocab, dtype=torch.long)
+    for index in range(len(table)):
+        item = table[index]
+        for token, mask in zip(item["input_ids"].tolist(), item["loss_mask"].tolist(), strict=True):
+            by_hand[token] += mask
+    assert torch.equal(counts, by_hand) and int(counts.sum()) > 0
+
+    provisional = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=8, intermediate_size=32)
+    module = EagleSFT.from_objects(
+        tiny_target,
+        provisional,
+        vocab_source="data",
+        draft_vocab_size=8,
+        intermediate_size=32,
+        ttt_steps=1,
+        warmup_steps=0,
+    )
+    module.drafter = module.build_drafter(tiny_target).float()  # a fresh, provisional head
+    assert module._vocab_pending
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    trainer.fit(module, datamodule=data)
+    _, t2d = build_draft_vocab(counts, 8, tiny_target.eos_token_ids)
+    assert not torch.equal(provisional.t2d, t2d)  # zero counts would have kept ids 0..k-1
+    assert torch.equal(module.drafter.t2d, t2d) and not module._vocab_pending
+    # the optimizer trained the rebuilt head, not the provisional one
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert id(module.drafter.fc.weight) in optimized
