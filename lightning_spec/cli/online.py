@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=int(config.get("replay_batch", 32)),
         )
     options = {k: v for k, v in config["strategy"].items() if k != "name"}
+    if options.get("vocab_swap"):  # a grown draft vocabulary never evicts the end of an answer
+        options["protected_ids"] = list(target.eos_token_ids)
     try:
         strategy = make_strategy(str(config["strategy"]["name"]), drafter, **options)
     except (TypeError, ValueError) as error:  # unknown strategy or option: named, no run made

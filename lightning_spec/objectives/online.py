@@ -54,6 +54,7 @@ from lightning_spec.objectives.online_loss import (
     rejection_batch,
     rejection_slots,
 )
+from lightning_spec.objectives.online_vocab import VocabGrowth, supports_vocab_swap
 
 __all__ = [
     "DPOStrategy",
@@ -121,7 +122,9 @@ class OGDStrategy:
     optimizer step each, the optimizer's state kept across rounds; ``epochs: 0`` gives the
     earlier rule instead, ``steps_per_round`` full-batch steps. The reported
     ``online_loss`` is the loss of the model that SERVED the round on that round (before the
-    update), the quantity dynamic regret is measured on.
+    update), the quantity dynamic regret is measured on. ``vocab_swap: n`` lets the draft
+    vocabulary follow the stream: up to n slots a round go from the tokens the stream uses least
+    to those it uses most that the drafter could not draft (`objectives/online_vocab.py`).
     """
 
     name = "ogd"
@@ -141,6 +144,9 @@ class OGDStrategy:
         seed: int = 0,
         labels: str = "soft",
         label_top_k: int = 32,
+        vocab_swap: int = 0,
+        vocab_min_count: int = 2,
+        protected_ids: Sequence[int] = (),
     ) -> None:
         self.label_top_k = kept_label_rows(labels, label_top_k)
         if lr <= 0 or steps_per_round < 1 or buffer_rounds < 1:
@@ -157,6 +163,15 @@ class OGDStrategy:
         self.buffer: list[dict[str, Tensor]] = []
         parameters = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(parameters, lr=lr, betas=betas, weight_decay=0.0)
+        self.growth: VocabGrowth | None = None
+        if vocab_swap:
+            if not supports_vocab_swap(self.drafter):
+                raise ValueError(
+                    f"{self.name}: vocab_swap needs a drafter with its own head over a reduced "
+                    f"draft vocabulary (EAGLE-3); {type(self.drafter).__name__} has none"
+                )
+            self.growth = VocabGrowth(self.drafter.target_vocab_size, swaps=int(vocab_swap),
+                                      min_count=vocab_min_count, protected=protected_ids)  # fmt: skip
 
     def round_batch(self, generations: Sequence[Generation]) -> dict[str, Tensor] | None:
         """The training tensors of a served round (the hook `OSDStrategy` narrows)."""
@@ -171,7 +186,10 @@ class OGDStrategy:
             return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
         miss = draft_vocab_miss(self.drafter, batch) if batch is not None else float("nan")
         if self.epochs > 0:
-            return self._epochs(batch, tic, miss)
+            served = self._served_loss(batch)  # of the drafter that served, before any swap
+            swapped = self._grow(generations)
+            return self._epochs(served, tic, miss, swapped)
+        self._grow(generations)
         self.drafter.train()
         served_loss = float("nan")
         labels = 0
@@ -207,13 +225,25 @@ class OGDStrategy:
             **extra,
         }
 
-    def _epochs(self, batch: dict[str, Tensor] | None, tic: float, miss: float) -> dict[str, float]:
+    def _served_loss(self, batch: dict[str, Tensor] | None) -> tuple[float, int]:
+        """(loss, labels) of the drafter as it served `batch` (NaN, 0 without a batch)."""
+        if batch is None:
+            return float("nan"), 0
+        with torch.no_grad():
+            loss, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
+        return float(loss), labels
+
+    def _grow(self, generations: Sequence[Generation]) -> int:
+        """With ``vocab_swap``: count the round's tokens and swap draft slots (`VocabGrowth`)."""
+        if self.growth is None:
+            return 0
+        return self.growth.step(self.drafter, generations, self.optimizer)
+
+    def _epochs(
+        self, served: tuple[float, int], tic: float, miss: float, swapped: int
+    ) -> dict[str, float]:
         """The reference recipe: minibatch epochs over the buffered rounds' sequences."""
-        served_loss, labels = float("nan"), 0
-        if batch is not None:
-            with torch.no_grad():
-                loss, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
-            served_loss = float(loss)
+        served_loss, labels = served
         self.drafter.train()
         steps = 0
         for _ in range(self.epochs):
@@ -225,18 +255,26 @@ class OGDStrategy:
                     self._apply(loss)
                     steps += 1
         self.drafter.eval()
-        return self._report(served_loss, labels, tic, miss, optimizer_steps=float(steps))
+        extra = {"optimizer_steps": float(steps)}
+        if self.growth is not None:
+            extra["vocab_swapped"] = float(swapped)
+        return self._report(served_loss, labels, tic, miss, **extra)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "buffer": self.buffer, "shuffle": self._shuffle.get_state()}  # fmt: skip
+        state = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "buffer": self.buffer, "shuffle": self._shuffle.get_state()}  # fmt: skip
+        if self.growth is not None:
+            state["vocab_growth"] = self.growth.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.drafter.load_state_dict(state["drafter"])
+        self.drafter.load_state_dict(state["drafter"])  # d2t/t2d too: a grown vocabulary
         self.optimizer.load_state_dict(state["optimizer"])
         self.buffer = list(state.get("buffer", []))  # checkpoints before the buffer: empty
         if "shuffle" in state:
             self._shuffle.set_state(state["shuffle"])
+        if self.growth is not None and "vocab_growth" in state:
+            self.growth.load_state_dict(state["vocab_growth"])
 
 
 def _trainable(drafter: Drafter) -> list[Tensor]:
@@ -443,10 +481,15 @@ class OSDStrategy(OGDStrategy):
         minibatch: int = 4,
         labels: str = "soft",
         label_top_k: int = 32,
+        vocab_swap: int = 0,
+        vocab_min_count: int = 2,
+        protected_ids: Sequence[int] = (),
     ) -> None:
         super().__init__(drafter, lr=lr, steps_per_round=steps_per_round, ttt_steps=ttt_steps,
                          grad_clip=grad_clip, buffer_rounds=buffer_rounds, epochs=epochs,
-                         minibatch=minibatch, labels=labels, label_top_k=label_top_k)  # fmt: skip
+                         minibatch=minibatch, labels=labels, label_top_k=label_top_k,
+                         vocab_swap=vocab_swap, vocab_min_count=vocab_min_count,
+                         protected_ids=protected_ids)  # fmt: skip
         self.first_rejected = bool(first_rejected)
 
     def round_batch(self, generations: Sequence[Generation]) -> dict[str, Tensor] | None:
