@@ -182,12 +182,7 @@ def replay_greedy(
             text = text_pass(target, ids, start, features=drafter.needs_features)
         if drafter.needs_features and text.features is None:
             raise ValueError("the drafter reads target features: the text pass holds none")
-        # the prefill's row first (it chose the first generated token), then row j + 1: the
-        # target after position start + j
-        every = target.head_logits(text.last_hidden).float()
-        check_greedy(every[:-1], ids[0, start:], tolerance=tolerance, offset=start)
-        if keep_labels:  # row i chose continuation[i]
-            labels = top_label_rows(every[:-1], keep_labels)
+        every, labels = _checked_rows(target, text, ids, start, keep_labels, tolerance)
         rows = every[1:]
         roots = torch.arange(start, length - 1, device=ids.device)
         draft_tic = time.perf_counter()
@@ -211,6 +206,49 @@ def replay_greedy(
         total_seconds=time.perf_counter() - tic,
         stopped_on_eos=continuation[-1] in eos,
         drafter_version=drafter_version,
+        label_logprobs=None if labels is None else labels[0],
+        label_ids=None if labels is None else labels[1],
+    )
+
+
+def _checked_rows(
+    target: TargetModel, text: TextPass, ids: Tensor, start: int, keep_labels: int, tolerance: float
+) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+    """The target's logits rows over the continuation, checked to be greedy (the prefill's row
+    first: it chose the first generated token; then row j + 1, the target after position
+    start + j), and with `keep_labels` the top log-probs each new token was chosen from."""
+    every = target.head_logits(text.last_hidden).float()
+    check_greedy(every[:-1], ids[0, start:], tolerance=tolerance, offset=start)
+    labels = top_label_rows(every[:-1], keep_labels) if keep_labels else None  # row i: token i
+    return every, labels
+
+
+@torch.no_grad()
+def committed_feedback(
+    target: TargetModel,
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+    *,
+    keep_labels: int = 0,
+    tolerance: float = 1e-3,
+) -> Generation:
+    """What serving `prompt` at T = 0 teaches whatever drafter served it: the committed text, its
+    target features and (`keep_labels`) soft labels, from one teacher-forced pass, without the
+    drafting a replay adds (no records). A learner that reads only the committed text
+    (`OnlineStrategy.reads_records` False) gets from it exactly what a replay would give it."""
+    prompt, continuation = [int(t) for t in prompt], [int(t) for t in continuation]
+    if not prompt or not continuation:
+        raise ValueError("feedback needs a prompt and at least the first generated token")
+    start = len(prompt)
+    ids = torch.tensor([prompt + continuation], device=target.device)
+    text = text_pass(target, ids, start, features=True)
+    _, labels = _checked_rows(target, text, ids, start, keep_labels, tolerance)
+    return Generation(
+        prompt=prompt,
+        tokens=continuation,
+        records=[],
+        stopped_on_eos=continuation[-1] in target.eos_token_ids,
+        features=text.features[0, : ids.shape[1] - 1],
         label_logprobs=None if labels is None else labels[0],
         label_ids=None if labels is None else labels[1],
     )

@@ -76,6 +76,10 @@ class OnlineStrategy(Protocol):
     label_top_k: int
     """How many of the target's top log-probs per served token the decoder keeps for `update`
     (soft labels; 0: none)."""
+    reads_records: bool
+    """Whether `update` reads the generations' verification records (the rejected drafts), not
+    only the committed text, its features and labels: without them a round's feedback does not
+    depend on the drafter that served it, and a hindsight fit computes it once."""
 
     def update(self, generations: Sequence[Generation]) -> dict[str, float]: ...
 
@@ -89,6 +93,7 @@ class FrozenStrategy:
     regret proxy compares against)."""
 
     name = "frozen"
+    reads_records = False
 
     def __init__(
         self, drafter: Drafter, *, ttt_steps: int = 2, labels: str = "soft", label_top_k: int = 32
@@ -128,6 +133,7 @@ class OGDStrategy:
     """
 
     name = "ogd"
+    reads_records = False
 
     def __init__(
         self,
@@ -304,6 +310,7 @@ class OptimisticStrategy:
     """Optimistic OGD with the last gradient as hint (see the module docstring)."""
 
     name = "optimistic"
+    reads_records = False
 
     def __init__(
         self,
@@ -360,6 +367,7 @@ class EnsembleStrategy:
     """Hedge-weighted parameter average of OGD learners (see the module docstring)."""
 
     name = "ensemble"
+    reads_records = False
 
     def __init__(
         self,
@@ -466,6 +474,7 @@ class OSDStrategy(OGDStrategy):
     one position per verification step, the first wrong one, not every rejected tree sibling."""
 
     name = "osd"
+    reads_records = True
 
     def __init__(
         self,
@@ -500,6 +509,7 @@ class DPOStrategy:
     """Preference updates at rejected drafts (see the module docstring)."""
 
     name = "dpo"
+    reads_records = True
     label_top_k = 0  # learns from (chosen, rejected) token pairs, not from distributions
 
     def __init__(

@@ -8,8 +8,10 @@ share of the stream's learnable signal online learning captured (issue 34; the r
 offline counterpart of its online rounds).
 
 At T = 0 only (the requests are replayed over their cached greedy answers,
-`serving.continuations`, so fitting several epochs costs one teacher-forced pass per request per
-epoch, no decoding). The fit checkpoints after each epoch (`hindsight_fit.pt`), so a killed run
+`serving.continuations`). A learner that reads only the committed text (`ogd`, `ensemble`,
+`optimistic`) is fitted on feedback computed once, one teacher-forced pass per request
+(`decoding.replay.committed_feedback`); one that reads the rejected drafts (`osd`, `dpo`) is
+replayed with the drafter being fitted, every epoch. The fit checkpoints after each epoch (`hindsight_fit.pt`), so a killed run
 resumes at its epoch; the frozen serving of the rest is `run_stream` with its own resume.
 """
 
@@ -24,8 +26,10 @@ from typing import Any
 import torch
 
 from lightning_spec.decoding.build import TreePolicy
+from lightning_spec.decoding.replay import committed_feedback
 from lightning_spec.io import atomic_path, atomic_write_json
 from lightning_spec.objectives.online import FrozenStrategy, OnlineStrategy
+from lightning_spec.progress import progress_bar
 from lightning_spec.serving.online import replay_request, run_stream
 from lightning_spec.serving.stream import Request
 
@@ -45,6 +49,19 @@ def hindsight_split(count: int, fraction: float) -> int:
     if count < 2:
         raise ValueError("a hindsight ceiling needs at least two requests (fit and score)")
     return min(count - 1, max(1, round(count * fraction)))
+
+
+def _committed_feedback(
+    target: Any, requests: Sequence[Request], continuations: Sequence[Sequence[int]], labels: int
+) -> list[Any]:
+    """`committed_feedback` of every request, with progress (one target pass each)."""
+    out = []
+    with progress_bar("hindsight feedback (one target pass per request)") as bar:
+        task = bar.add_task("requests", total=len(requests))
+        for request, answer in zip(requests, continuations, strict=True):
+            out.append(committed_feedback(target, request.prompt, answer, keep_labels=labels))
+            bar.update(task, advance=1)
+    return out
 
 
 def run_hindsight(
@@ -82,20 +99,32 @@ def run_hindsight(
         done = int(state["epochs"])
         log.info("hindsight fit resumed after epoch %d of %d", done, epochs)
     tic = time.perf_counter()
+    fixed = None
+    if done < epochs and not strategy.reads_records:
+        # the learner reads only the committed text, its features and labels: at T = 0 they do
+        # not depend on the drafter, so one teacher-forced pass per request serves every epoch
+        fixed = _committed_feedback(target, requests[:cut], continuations[:cut],
+                                    strategy.label_top_k)  # fmt: skip
     for epoch in range(done, epochs):
         losses = []
-        for begin in range(0, cut, round_size):
-            chunk = range(begin, min(cut, begin + round_size))
-            generations = [
-                replay_request(
-                    target, strategy.drafter, policy, requests[i].prompt, continuations[i],
-                    keep_labels=strategy.label_top_k,
-                )
-                for i in chunk
-            ]
-            report = strategy.update(generations)  # its online_loss: before this update
-            if report.get("online_loss") == report.get("online_loss"):
-                losses.append(float(report["online_loss"]))
+        with progress_bar(f"hindsight fit, epoch {epoch + 1}/{epochs}") as bar:
+            task = bar.add_task("requests", total=cut)
+            for begin in range(0, cut, round_size):
+                chunk = range(begin, min(cut, begin + round_size))
+                if fixed is not None:
+                    generations = [fixed[i] for i in chunk]
+                else:  # records of the drafter being fitted: replayed with it, every epoch
+                    generations = [
+                        replay_request(
+                            target, strategy.drafter, policy, requests[i].prompt,
+                            continuations[i], keep_labels=strategy.label_top_k,
+                        )
+                        for i in chunk
+                    ]  # fmt: skip
+                report = strategy.update(generations)  # its online_loss: before this update
+                if report.get("online_loss") == report.get("online_loss"):
+                    losses.append(float(report["online_loss"]))
+                bar.update(task, advance=len(chunk))
         with atomic_path(checkpoint) as tmp:
             torch.save({"epochs": epoch + 1, "strategy": strategy.state_dict()}, tmp)
         mean = sum(losses) / len(losses) if losses else float("nan")

@@ -397,6 +397,35 @@ def test_the_hindsight_ceiling_fits_on_the_head_and_scores_the_tail(
         hindsight_split(10, 1.0)
 
 
+def test_committed_feedback_teaches_what_a_replay_teaches(target: TargetModel) -> None:
+    """The hindsight fit's feedback without drafting: the same tokens, features and labels as a
+    replay, so a learner that reads no records ends up with the very same weights."""
+    from lightning_spec.decoding.replay import ReplayMismatch, committed_feedback
+    from lightning_spec.serving.online import replay_request
+
+    policy = parse_tree_spec(POLICY)
+    drafter = HELPERS._drafter(target)
+    prompts = [r.prompt for r in _requests(3)]
+    answers = [autoregressive_generate(target, p, 10, stop_on_eos=False) for p in prompts]
+    replayed = [replay_request(target, drafter, policy, p, a, keep_labels=8)
+                for p, a in zip(prompts, answers, strict=True)]  # fmt: skip
+    fixed = [committed_feedback(target, p, a, keep_labels=8)
+             for p, a in zip(prompts, answers, strict=True)]  # fmt: skip
+    for a, b in zip(replayed, fixed, strict=True):
+        assert a.tokens == b.tokens and a.prompt == b.prompt and b.records == []
+        torch.testing.assert_close(b.features, a.features)
+        torch.testing.assert_close(b.label_logprobs, a.label_logprobs)
+        assert torch.equal(b.label_ids, a.label_ids)
+    one, two = (make_strategy("ogd", drafter, lr=3e-3, epochs=1, minibatch=2) for _ in range(2))
+    assert not one.reads_records and make_strategy("osd", drafter).reads_records
+    one.update(replayed)
+    two.update(fixed)
+    for key, value in one.drafter.state_dict().items():
+        torch.testing.assert_close(two.drafter.state_dict()[key], value)
+    with pytest.raises(ReplayMismatch, match="greedy"):
+        committed_feedback(target, prompts[0], [answers[0][0], (answers[0][1] + 1) % 128])
+
+
 def test_update_every_k_rounds_learns_from_the_k_rounds_together_and_resumes(
     target: TargetModel, tmp_path: Path
 ) -> None:
