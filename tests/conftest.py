@@ -35,6 +35,17 @@ def _test_threads():
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def quiet_trainer(**kwargs):  # noqa: ANN003, ANN201
+    """A CPU Lightning Trainer for 2 steps without logger, bars, summary, checkpoints or
+    validation; `kwargs` override or add Trainer options."""
+    from lightning import Trainer
+
+    options = {"accelerator": "cpu", "max_steps": 2, "logger": False,
+               "enable_progress_bar": False, "enable_model_summary": False,
+               "enable_checkpointing": False, "limit_val_batches": 0}  # fmt: skip
+    return Trainer(**{**options, **kwargs})
+
+
 def load_module(path: Path, name: str) -> ModuleType:
     """A Python file that is not part of a package (a bench script, a conftest) as a module."""
     spec = importlib.util.spec_from_file_location(name, path)

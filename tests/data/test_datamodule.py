@@ -597,11 +597,10 @@ def test_prompt_only_stream_counts_its_vocabulary_on_the_target_answers(
 ) -> None:
     """A prompt-only stream has no assistant turns: counting it must fail loudly (it once gave
     ids 0..k-1 in silence), and `vocab_source: data` counts the target's regenerated answers."""
-    from lightning import Trainer
-
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
     from lightning_spec.models.vocab import build_draft_vocab
     from lightning_spec.objectives.sft import EagleSFT, draft_token_counts
+    from tests.conftest import quiet_trainer
 
     words = ["alpha", "beta", "gamma", "delta", "epsilon"]
     stream = tmp_path / "stream.jsonl"
@@ -633,16 +632,7 @@ def test_prompt_only_stream_counts_its_vocabulary_on_the_target_answers(
     )
     module.drafter = module.build_drafter(tiny_target).float()  # a fresh, provisional head
     assert module._vocab_pending
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(max_steps=1, num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)
     _, t2d = build_draft_vocab(counts, 8, tiny_target.eos_token_ids)
     assert not torch.equal(provisional.t2d, t2d)  # zero counts would have kept ids 0..k-1

@@ -19,6 +19,7 @@ from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
 from lightning_spec.objectives.base import BatchKeyError, Objective
+from tests.conftest import quiet_trainer
 
 VOCAB = 128
 
@@ -84,16 +85,7 @@ def _batch(target: TargetModel) -> dict[str, Tensor]:
 
 
 def _trainer(**kwargs: Any) -> Trainer:
-    return Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        **kwargs,
-    )
+    return quiet_trainer(**kwargs)
 
 
 def _module(target: TargetModel, **hparams: Any) -> NextToken:

@@ -22,6 +22,7 @@ from lightning_spec.models.tiny import tiny_config
 from lightning_spec.objectives import sft
 from lightning_spec.objectives.sft import EagleSFT, WarmupCosine, ttt_attention_mask, ttt_unroll
 from lightning_spec.tracking import default_tracking_uri, make_mlflow_logger
+from tests.conftest import quiet_trainer
 
 VOCAB = 128
 
@@ -342,15 +343,7 @@ def test_nonfinite_steps_are_skipped_then_fatal(target: TargetModel) -> None:
         module = EagleSFT.from_objects(
             target, _drafter(target), ttt_steps=2, max_consecutive_nonfinite=limit, warmup_steps=1
         )
-        trainer = Trainer(
-            accelerator="cpu",
-            max_steps=2,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            limit_val_batches=0,
-        )
+        trainer = quiet_trainer()
         before = {k: v.clone() for k, v in module.drafter.state_dict().items()}
         trainer.fit(module, datamodule=TinyData(poisoned))
         for key, value in module.drafter.state_dict().items():
