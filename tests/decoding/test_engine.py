@@ -239,15 +239,19 @@ def test_sampling_with_a_block_drafter_preserves_target_distribution(spec: str) 
 
 
 def test_kernel_fast_path_is_lossless() -> None:
-    """Triton tree attention + fused verify (interpreted on CPU) give the target's greedy output."""
+    """Triton tree attention + fused verify give the target's greedy output: compiled on a GPU
+    (the target and drafter move there), interpreted on CPU."""
     from lightning_spec.kernels import TRITON_AVAILABLE
 
     if not TRITON_AVAILABLE:
         pytest.skip("triton is not importable")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = _sharpened(TargetModel.from_config(tiny_config("llama", num_layers=2), seed=4))
+    drafter = _noisy_copy(target, 0.05, seed=1)
+    target.model.to(device)
+    drafter.to(device)
     prompt = list(range(10, 19))
     expected = autoregressive_generate(target, prompt, 12, stop_on_eos=False)
-    drafter = _noisy_copy(target, 0.05, seed=1)
     decoder = SpeculativeDecoder(
         target, drafter, parse_tree_spec("dynamic:3,2,6"), use_kernels=True
     )
