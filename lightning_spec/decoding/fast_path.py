@@ -32,20 +32,6 @@ def triton_greedy_verifier(tree: DraftTree, target_logits: Tensor) -> Verificati
     return Verification(accepted=path[:length].cpu().long(), bonus_token=int(bonus))
 
 
-# Cached tokens below which SDPA with a dense mask beats the tree kernel on a GPU (measured on
-# an H200, BENCHMARKS.md section 3).
-SDPA_BELOW_CACHE = 1024
-
-
-def _dense_tree_mask(tree_block_mask: Tensor, past: int) -> Tensor:
-    """The boolean [B|1, 1, N, past + N] mask SDPA takes: the whole cache, then the block."""
-    block = tree_block_mask.bool()
-    if block.dim() == 3:
-        block = block.unsqueeze(1)
-    cache = torch.ones(*block.shape[:-1], past, dtype=torch.bool, device=block.device)
-    return torch.cat([cache, block], dim=-1)
-
-
 def _tree_attention_forward(
     module: torch.nn.Module,
     query: Tensor,
@@ -59,14 +45,10 @@ def _tree_attention_forward(
 ) -> tuple[Tensor, None]:
     """HF attention function: the tree kernel when a block mask is given, SDPA otherwise.
 
-    On a GPU a short cache goes to SDPA with the dense mask even when a block mask is given:
-    below ~1k cached tokens both take tens of microseconds and SDPA's launch is the cheaper
-    (BENCHMARKS.md section 3). Under the interpreter (CPU tests) the kernel always runs."""
+    `TargetModel.forward` decides which (`kernel_takes_tree_forward`): it passes the block mask
+    only when the kernel should run, else the additive mask SDPA reads."""
     new = query.shape[2]
     past = key.shape[2] - new
-    if tree_block_mask is not None and query.is_cuda and past < SDPA_BELOW_CACHE:
-        attention_mask = _dense_tree_mask(tree_block_mask, past)
-        tree_block_mask = None
     if tree_block_mask is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

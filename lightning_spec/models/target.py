@@ -23,6 +23,21 @@ log = logging.getLogger(__name__)
 #: Name under which `lightning_spec.decoding.fast_path` registers the Triton tree attention.
 TREE_ATTENTION_IMPL = "lightning_spec_tree"
 
+# Cached tokens below which a GPU tree forward takes SDPA with the additive mask rather than the
+# Triton tree kernel: below ~1k both take tens of microseconds and SDPA's one launch is cheaper
+# (measured on two H200 hosts, BENCHMARKS.md section 3). Under the interpreter (CPU) the kernel
+# always runs, so the CPU tests exercise it.
+KERNEL_MIN_CACHE_ON_GPU = 1024
+
+
+def kernel_takes_tree_forward(past: int, on_gpu: bool, cache_all_visible: bool) -> bool:
+    """Whether a tree forward goes to the Triton kernel: it assumes every new token sees the
+    whole cache, and on a GPU it pays only past `KERNEL_MIN_CACHE_ON_GPU` cached tokens."""
+    if not cache_all_visible:
+        return False
+    return not on_gpu or past >= KERNEL_MIN_CACHE_ON_GPU
+
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -309,7 +324,10 @@ class TargetModel(nn.Module):
 
     def _kernel_can_take(self, tree_mask: Tensor, past: int) -> bool:
         implementation = getattr(self.model.config, "_attn_implementation", None)
-        return implementation == TREE_ATTENTION_IMPL and bool(tree_mask[..., :past].all())
+        if implementation != TREE_ATTENTION_IMPL:
+            return False
+        on_gpu = self.device.type == "cuda"
+        return kernel_takes_tree_forward(past, on_gpu, bool(tree_mask[..., :past].all()))
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()

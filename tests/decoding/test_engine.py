@@ -238,22 +238,22 @@ def test_sampling_with_a_block_drafter_preserves_target_distribution(spec: str) 
     assert _joint_tv(decoder, target, [2, 1, 2, 1], runs=400) < 0.13
 
 
-@pytest.mark.parametrize("sdpa_below_cache", [0, None])
+@pytest.mark.parametrize("kernel_min_cache", [0, None])
 def test_kernel_fast_path_is_lossless(
-    sdpa_below_cache: int | None, monkeypatch: pytest.MonkeyPatch
+    kernel_min_cache: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Triton tree attention + fused verify give the target's greedy output: compiled on a GPU
     (the target and drafter move there), interpreted on CPU. On a GPU, threshold 0 keeps every
     tree forward on the kernel, the default sends these short caches to SDPA."""
-    from lightning_spec.decoding import fast_path
     from lightning_spec.kernels import TRITON_AVAILABLE
+    from lightning_spec.models import target as target_module
 
     if not TRITON_AVAILABLE:
         pytest.skip("triton is not importable")
-    if sdpa_below_cache is None and not torch.cuda.is_available():
-        pytest.skip("the short-cache SDPA dispatch acts on CUDA tensors only")
-    if sdpa_below_cache is not None:
-        monkeypatch.setattr(fast_path, "SDPA_BELOW_CACHE", sdpa_below_cache)
+    if kernel_min_cache is None and not torch.cuda.is_available():
+        pytest.skip("the short-cache SDPA dispatch acts on a GPU only")
+    if kernel_min_cache is not None:
+        monkeypatch.setattr(target_module, "KERNEL_MIN_CACHE_ON_GPU", kernel_min_cache)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = _sharpened(TargetModel.from_config(tiny_config("llama", num_layers=2), seed=4))
     drafter = _noisy_copy(target, 0.05, seed=1)
