@@ -138,3 +138,13 @@ def test_drop_overlap_serves_the_rest_of_the_stream(tmp_path: Path) -> None:
     assert check_stream_is_new(config, requests, tmp_path / "out") is None
     assert [r.id for r in requests] == ["s1", "s2"]  # s0 was trained on: dropped, order kept
     assert json.loads((tmp_path / "out" / "overlap.json").read_text())["dropped"] == ["s0"]
+
+
+def test_live_check_and_replay_are_refused_together(tmp_path: Path) -> None:
+    from lightning_spec.cli.online import load_config
+
+    path = tmp_path / "online.yaml"
+    path.write_text("drafter: d\nstream: s.jsonl\nreplay: true\nlive_check: true\n")
+    with pytest.raises(ValueError, match="set replay: false with it"):
+        load_config(path)
+    assert load_config(path, {"replay": False})["live_check"] is True

@@ -14,9 +14,12 @@ builds narrow-domain ones. ``replay: true`` generates the stream's greedy answer
 batches (cached in ``replay_cache``, default ``OUT_DIR/../continuations.jsonl``, shared by
 every strategy served beside it) and serves each request by exact replay: the same tau and
 feedback as live decoding at T = 0, at a fraction of the time (tokens/s then comes from a live
-run). ``--hindsight 0.7`` serves nothing online: it fits the strategy on the first 70% of the
-replayed stream for ``--hindsight-epochs`` passes and scores the rest frozen, the ceiling the
-online strategies' tau on those requests is read against (`serving.hindsight`).
+run). ``live_check: true`` (with ``replay: false``) decodes live and checks every output
+against those cached greedy answers: the live confirmation of a replayed comparison, with
+``greedy_mismatches`` per round (any: exit status 1). ``--hindsight 0.7`` serves nothing
+online: it fits the strategy on the first 70% of the replayed stream for
+``--hindsight-epochs`` passes and scores the rest frozen, the ceiling the online strategies'
+tau on those requests is read against (`serving.hindsight`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ __all__ = ["load_config", "main", "parse_value"]
 
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
-        "record_feedback", "replay", "replay_cache", "replay_batch", "update_every",
+        "record_feedback", "replay", "replay_cache", "replay_batch", "update_every", "live_check",
         "train_data", "allow_overlap", "drop_overlap"}  # fmt: skip
 
 
@@ -80,6 +83,9 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
     config.setdefault("prepack", False)
     if int(config["round_size"]) < 1 or int(config["max_new_tokens"]) < 1:
         raise ValueError("round_size and max_new_tokens must be >= 1")
+    if config.get("replay") and config.get("live_check"):
+        raise ValueError("live_check decodes live and checks each output against the cached "
+                         "greedy answers: set replay: false with it")  # fmt: skip
     train = config.get("train_data")
     if train is not None and not (
         isinstance(train, list) and all(isinstance(t, dict) and "source" in t for t in train)
@@ -218,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"online: {problem}", file=sys.stderr)
         return 2
     continuations = None
-    if config.get("replay"):  # T = 0: answers generated once in batches, every strategy replays
+    if config.get("replay") or config.get("live_check"):
+        # T = 0: answers generated once in batches; every strategy replays them (replay) or
+        # decodes live and is checked against them (live_check)
         from lightning_spec.serving.continuations import stream_continuations
 
         cache = config.get("replay_cache") or Path(config["out_dir"]).parent / "continuations.jsonl"
@@ -271,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             record_feedback=bool(config.get("record_feedback", False)),
             continuations=continuations,
             update_every=int(config.get("update_every", 1)),
+            replay=bool(config.get("replay")),
         )
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]
@@ -278,4 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{run_name}: {len(rows)} requests, prequential tau "
         f"{sum(taus) / max(1, len(taus)):.3f}; rounds in {out / 'rounds.jsonl'}"
     )
+    checked = [r["greedy_match"] for r in rows if "greedy_match" in r]
+    if checked:
+        mismatches = checked.count(False)
+        print(f"{run_name}: live check, {mismatches} of {len(checked)} outputs differ from "
+              f"the target's greedy answer")  # fmt: skip
+        if mismatches:
+            return 1
     return 0

@@ -46,6 +46,7 @@ __all__ = [
     "SafetyGuard",
     "replay_request",
     "load_feedback",
+    "matches_greedy",
     "prequential_summary",
     "run_stream",
     "save_feedback",
@@ -141,6 +142,7 @@ def run_stream(
     record_feedback: bool = False,
     continuations: Sequence[Sequence[int]] | None = None,
     update_every: int = 1,
+    replay: bool = True,
 ) -> list[dict[str, Any]]:
     """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
     request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
@@ -153,7 +155,10 @@ def run_stream(
     of these known answers instead of decoding (T = 0; tau and feedback as live, time not:
     the rows say ``replayed``); an empty one is decoded live. `update_every` k > 1: the
     strategy learns once every k rounds, from those k rounds together (an update schedule that
-    charges serving less often; the rounds in between are served by the same drafter)."""
+    charges serving less often; the rounds in between are served by the same drafter).
+    `replay` False with `continuations`: decode live and check each output against its known
+    greedy answer instead (rows get ``greedy_match``, rounds ``greedy_mismatches``): the live
+    confirmation of a replayed comparison, and a losslessness check on every request."""
     if update_every < 1:
         raise ValueError(f"update_every must be >= 1, got {update_every}")
     require_drafter_policy(policy, "the OnlineSpec stream (it learns from the rejected drafts)")
@@ -183,7 +188,8 @@ def run_stream(
         generations = []
         served_seconds = 0.0
         for offset, request in enumerate(chunk):
-            known = None if continuations is None else continuations[index * round_size + offset]
+            greedy = None if continuations is None else continuations[index * round_size + offset]
+            known = greedy if replay else None
             if known:
                 result = replay_request(
                     target, strategy.drafter, policy, request.prompt, known, keep_labels=labels
@@ -206,6 +212,8 @@ def run_stream(
                 else None,
                 "replayed": bool(known),
             }
+            if greedy and not known:
+                row["greedy_match"] = matches_greedy(result.tokens, greedy)
             logged.append(row)
             _append(out / REQUESTS, row)
         if record_feedback:
@@ -234,6 +242,9 @@ def run_stream(
             **update,
             **prequential_summary(logged),
         }
+        checked = [r["greedy_match"] for r in logged[-len(chunk) :] if "greedy_match" in r]
+        if checked:
+            summary["greedy_mismatches"] = float(checked.count(False))
         from lightning_spec.io import atomic_path
 
         with atomic_path(checkpoint) as tmp:
@@ -330,6 +341,12 @@ def regret_proxy(strategy: OnlineStrategy, window: list[tuple[dict, list[Any]]])
     served = sum(table[t][t] for t in range(len(window)))
     best = min(sum(row) for row in table)
     return served - best
+
+
+def matches_greedy(served: Sequence[int], greedy: Sequence[int]) -> bool:
+    """Whether a live output agrees with the request's known greedy answer. The answer is cut
+    to its batch-1 greedy prefix (`serving.continuations`), so a lossless output starts with it."""
+    return list(served[: len(greedy)]) == list(greedy)
 
 
 def prequential_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:

@@ -304,6 +304,18 @@ def test_a_replayed_stream_equals_the_live_one(
     assert [r["verifications"] for r in replayed] == [r["verifications"] for r in live]
     assert all(r["replayed"] and r["tokens_per_s"] is None for r in replayed)
     assert not any(r["replayed"] for r in live)
+    # live_check: decoded live, each output checked against its known greedy answer
+    wrong = [list(a) for a in answers]
+    wrong[3][-1] = (wrong[3][-1] + 1) % target.vocab_size
+    checked = run_stream(
+        target, make_strategy("ogd", HELPERS._drafter(target), **options), policy, requests,
+        out_dir=tmp_path / "checked", round_size=2, max_new_tokens=10, continuations=wrong,
+        replay=False,
+    )  # fmt: skip
+    assert [r["greedy_match"] for r in checked] == [True, True, True, False, True, True]
+    assert [r["tau"] for r in checked] == pytest.approx([r["tau"] for r in live], abs=1e-9)
+    rounds = [json.loads(line) for line in (tmp_path / "checked" / "rounds.jsonl").open()]
+    assert [r["greedy_mismatches"] for r in rounds] == [0.0, 1.0, 0.0]
     # a second call reads the cache and generates nothing; another length is refused
     monkeypatch.setattr(regenerate, "greedy_answers", lambda *a, **k: pytest.fail("generated"))
     assert stream_continuations(target, requests, max_new_tokens=10, cache=cache, progress=False) == answers
