@@ -16,7 +16,9 @@ every strategy served beside it) and serves each request by exact replay: the sa
 feedback as live decoding at T = 0, at a fraction of the time (tokens/s then comes from a live
 run). ``live_check: true`` (with ``replay: false``) decodes live and checks every output
 against those cached greedy answers: the live confirmation of a replayed comparison, with
-``greedy_mismatches`` per round (any: exit status 1). ``--hindsight 0.7`` serves nothing
+``greedy_mismatches`` per round (any: exit status 1). ``update_beside: true`` runs each update
+in a worker thread while the next round is served (`serving.beside`; with ``threads: 1`` the
+server and the update take one core each), charging only the server's wait for it. ``--hindsight 0.7`` serves nothing
 online: it fits the strategy on the first 70% of the replayed stream for
 ``--hindsight-epochs`` passes and scores the rest frozen, the ceiling the online strategies'
 tau on those requests is read against (`serving.hindsight`).
@@ -37,6 +39,7 @@ __all__ = ["load_config", "main", "parse_value"]
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
         "record_feedback", "replay", "replay_cache", "replay_batch", "update_every", "live_check",
+        "update_beside",
         "train_data", "allow_overlap", "drop_overlap"}  # fmt: skip
 
 
@@ -280,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             continuations=continuations,
             update_every=int(config.get("update_every", 1)),
             replay=bool(config.get("replay")),
+            update_beside=bool(config.get("update_beside", False)),
         )
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]

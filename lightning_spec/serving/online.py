@@ -10,7 +10,9 @@ An optional `SafetyGuard` measures tau on a few held-out prompts before and afte
 and rolls back an update that lowers it by more than a margin (logged as ``rolled_back``).
 
 The update's time is charged to throughput (`net_tokens_per_s`: served tokens over serving plus
-update time), the honest figure when updates run in the serving process.
+update time), the honest figure when updates run in the serving process; with `update_beside`
+they run in a worker thread while the next round is served (`serving.beside`) and only the
+server's wait for them is charged.
 
 After every round an atomic checkpoint (`round.pt`: the round index, the strategy's state,
 the random state) and the request log (`requests.jsonl`, one line per served request, appended
@@ -143,6 +145,7 @@ def run_stream(
     continuations: Sequence[Sequence[int]] | None = None,
     update_every: int = 1,
     replay: bool = True,
+    update_beside: bool = False,
 ) -> list[dict[str, Any]]:
     """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
     request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
@@ -158,112 +161,145 @@ def run_stream(
     charges serving less often; the rounds in between are served by the same drafter).
     `replay` False with `continuations`: decode live and check each output against its known
     greedy answer instead (rows get ``greedy_match``, rounds ``greedy_mismatches``): the live
-    confirmation of a replayed comparison, and a losslessness check on every request."""
+    confirmation of a replayed comparison, and a losslessness check on every request.
+    `update_beside`: each update runs in a worker thread while the next round is served
+    (`serving.beside`); ``update_seconds`` is then only what the server waited for it."""
     if update_every < 1:
         raise ValueError(f"update_every must be >= 1, got {update_every}")
+    if update_beside and (guard is not None or regret_window > 0):
+        raise ValueError("update_beside runs updates while serving: it cannot be combined with "
+                         "a safety guard or a regret window, which read the drafter in between")  # fmt: skip
     require_drafter_policy(policy, "the OnlineSpec stream (it learns from the rejected drafts)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start_round = 0
     pending: list[Any] = []  # served generations not learned from yet (update_every > 1)
+    launch_pending = False  # update_beside: the checkpoint was taken just before a launch
     checkpoint = out / CHECKPOINT
     if checkpoint.is_file():
         state = torch.load(checkpoint, map_location="cpu", weights_only=False)
         strategy.load_state_dict(state["strategy"])
         start_round = int(state["round"]) + 1
         pending = list(state.get("pending", []))
+        launch_pending = bool(state.get("launch_pending", False))
         log.info("resuming the stream at round %d from %s", start_round, checkpoint)
+    beside = None
+    if update_beside:
+        from lightning_spec.serving.beside import BesideUpdater
+
+        beside = BesideUpdater(strategy)
+        if launch_pending and start_round < math.ceil(len(requests) / round_size):
+            beside.launch(pending)  # the update the killed run had started
+            pending = []
     logged = [r for r in _read_lines(out / REQUESTS) if r["round"] < start_round]
     _write_lines(out / REQUESTS, logged)  # drop what an unfinished round logged
     rounds = [r for r in _read_lines(out / ROUNDS) if r["round"] < start_round]
     _write_lines(out / ROUNDS, rounds)
     total_rounds = math.ceil(len(requests) / round_size)
     window: list[tuple[dict[str, torch.Tensor], list[Any]]] = []
-    for index in range(start_round, total_rounds):
-        chunk = requests[index * round_size : (index + 1) * round_size]
-        labels = strategy.label_top_k  # soft labels: kept as served
-        decoder = SpeculativeDecoder(
-            target, strategy.drafter, policy, keep_features=True, keep_labels=labels
-        )
-        generations = []
-        served_seconds = 0.0
-        for offset, request in enumerate(chunk):
-            greedy = None if continuations is None else continuations[index * round_size + offset]
-            known = greedy if replay else None
-            if known:
-                result = replay_request(
-                    target, strategy.drafter, policy, request.prompt, known, keep_labels=labels
-                )
-            else:
-                result = decoder.generate(request.prompt, max_new_tokens)
-            generations.append(result)
-            served_seconds += result.total_seconds
-            row = {
-                "round": index,
-                "request": request.index,
-                "domain": request.domain,
-                "id": request.id,
-                "tau": result.tau,
-                "tokens": len(result.tokens),
-                "verifications": result.num_verifications,
-                "seconds": result.total_seconds,
-                "tokens_per_s": len(result.tokens) / result.total_seconds
-                if result.total_seconds > 0 and not known
-                else None,
-                "replayed": bool(known),
-            }
-            if greedy and not known:
-                row["greedy_match"] = matches_greedy(result.tokens, greedy)
-            logged.append(row)
-            _append(out / REQUESTS, row)
-        if record_feedback:
-            save_feedback(out, index, generations)
-        if regret_window > 0:
-            window.append((_served_weights(strategy), generations))
-        pending += generations
-        if (index + 1) % update_every == 0 or index == total_rounds - 1:
-            update = _guarded_update(target, strategy, policy, pending, guard)
-            pending = []
-        else:
-            update = {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0,
-                      "skipped_update": 1.0}  # fmt: skip
-        tokens = sum(len(g.tokens) for g in generations)
-        verifications = sum(g.num_verifications for g in generations)
-        committed = sum(sum(len(r.committed) for r in g.records) for g in generations)
-        summary = {
-            "round": index,
-            "strategy": strategy.name,
-            "requests": len(chunk),
-            "tau": committed / verifications if verifications else float("nan"),
-            "tokens_per_s": tokens / served_seconds if served_seconds > 0 else float("nan"),
-            "net_tokens_per_s": tokens / (served_seconds + update["update_seconds"])
-            if served_seconds > 0
-            else float("nan"),
-            **update,
-            **prequential_summary(logged),
-        }
-        checked = [r["greedy_match"] for r in logged[-len(chunk) :] if "greedy_match" in r]
-        if checked:
-            summary["greedy_mismatches"] = float(checked.count(False))
-        from lightning_spec.io import atomic_path
-
-        with atomic_path(checkpoint) as tmp:
-            torch.save(
-                {"round": index, "strategy": strategy.state_dict(), "pending": pending}, tmp
+    try:
+        for index in range(start_round, total_rounds):
+            chunk = requests[index * round_size : (index + 1) * round_size]
+            labels = strategy.label_top_k  # soft labels: kept as served
+            drafter = strategy.drafter if beside is None else beside.served
+            decoder = SpeculativeDecoder(
+                target, drafter, policy, keep_features=True, keep_labels=labels
             )
-        if regret_window > 0 and len(window) == regret_window:
-            summary["regret_proxy"] = regret_proxy(strategy, window)
-            window.clear()
-        rounds.append(summary)
-        _write_lines(out / ROUNDS, rounds)
-        if logger is not None:
-            logger.log_metrics({f"online/{k}": float(v) for k, v in summary.items()
-                                if isinstance(v, (int, float))}, index)  # fmt: skip
-        log.info(
-            "round %d/%d (%s): tau %.2f, prequential tau %.2f, %.1f tok/s, update %.1f s",
-            index + 1, total_rounds, strategy.name, summary["tau"],
-            summary["prequential_tau"], summary["tokens_per_s"], update["update_seconds"],
-        )  # fmt: skip
+            generations = []
+            served_seconds = 0.0
+            for offset, request in enumerate(chunk):
+                greedy = None if continuations is None else continuations[index * round_size + offset]
+                known = greedy if replay else None
+                if known:
+                    result = replay_request(
+                        target, drafter, policy, request.prompt, known, keep_labels=labels
+                    )
+                else:
+                    result = decoder.generate(request.prompt, max_new_tokens)
+                generations.append(result)
+                served_seconds += result.total_seconds
+                row = {
+                    "round": index,
+                    "request": request.index,
+                    "domain": request.domain,
+                    "id": request.id,
+                    "tau": result.tau,
+                    "tokens": len(result.tokens),
+                    "verifications": result.num_verifications,
+                    "seconds": result.total_seconds,
+                    "tokens_per_s": len(result.tokens) / result.total_seconds
+                    if result.total_seconds > 0 and not known
+                    else None,
+                    "replayed": bool(known),
+                }
+                if greedy and not known:
+                    row["greedy_match"] = matches_greedy(result.tokens, greedy)
+                logged.append(row)
+                _append(out / REQUESTS, row)
+            if record_feedback:
+                save_feedback(out, index, generations)
+            if regret_window > 0:
+                window.append((_served_weights(strategy), generations))
+            pending += generations
+            due = (index + 1) % update_every == 0 or index == total_rounds - 1
+            if due and beside is not None:
+                # the previous update (learned while this round was served) is served from now on;
+                # this round's is launched once the checkpoint below is written
+                waited, previous = beside.settle()
+                update = {"online_loss": float("nan"), "update_seconds": waited,
+                          **{f"beside_{k}": v for k, v in previous.items()}}  # fmt: skip
+            elif due:
+                update = _guarded_update(target, strategy, policy, pending, guard)
+                pending = []
+            else:
+                update = {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0,
+                          "skipped_update": 1.0}  # fmt: skip
+            tokens = sum(len(g.tokens) for g in generations)
+            verifications = sum(g.num_verifications for g in generations)
+            committed = sum(sum(len(r.committed) for r in g.records) for g in generations)
+            summary = {
+                "round": index,
+                "strategy": strategy.name,
+                "requests": len(chunk),
+                "tau": committed / verifications if verifications else float("nan"),
+                "tokens_per_s": tokens / served_seconds if served_seconds > 0 else float("nan"),
+                "net_tokens_per_s": tokens / (served_seconds + update["update_seconds"])
+                if served_seconds > 0
+                else float("nan"),
+                **update,
+                **prequential_summary(logged),
+            }
+            checked = [r["greedy_match"] for r in logged[-len(chunk) :] if "greedy_match" in r]
+            if checked:
+                summary["greedy_mismatches"] = float(checked.count(False))
+            from lightning_spec.io import atomic_path
+
+            launch = due and beside is not None and index < total_rounds - 1
+            with atomic_path(checkpoint) as tmp:  # the strategy is idle here, also beside serving
+                torch.save({"round": index, "strategy": strategy.state_dict(), "pending": pending,
+                            "launch_pending": launch}, tmp)  # fmt: skip
+            if launch:
+                beside.launch(pending)
+                pending = []
+            if regret_window > 0 and len(window) == regret_window:
+                summary["regret_proxy"] = regret_proxy(strategy, window)
+                window.clear()
+            rounds.append(summary)
+            _write_lines(out / ROUNDS, rounds)
+            if logger is not None:
+                logger.log_metrics({f"online/{k}": float(v) for k, v in summary.items()
+                                    if isinstance(v, (int, float))}, index)  # fmt: skip
+            log.info(
+                "round %d/%d (%s): tau %.2f, prequential tau %.2f, %.1f tok/s, update %.1f s",
+                index + 1, total_rounds, strategy.name, summary["tau"],
+                summary["prequential_tau"], summary["tokens_per_s"], update["update_seconds"],
+            )  # fmt: skip
+    except BaseException:
+        if beside is not None:
+            beside.abandon()
+        raise
+    if beside is not None:
+        beside.close()
     return logged
 
 

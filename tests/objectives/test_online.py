@@ -481,3 +481,66 @@ def test_update_every_k_rounds_learns_from_the_k_rounds_together_and_resumes(
     assert len(seen) == 1 and seen[0][:2] == ["served-in-round-1"] * 2 and len(seen[0]) == 4
     with pytest.raises(ValueError, match="update_every"):
         run_stream(target, resumed, policy, requests, out_dir=tmp_path / "d", update_every=0)
+
+
+def test_updates_beside_serving_are_served_a_round_later_and_resume(
+    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`update_beside`: round r's update runs while round r+1 is served, so round r+2 is the
+    first served by it; the last round is not learned from (nothing is left to serve); a run
+    killed mid-stream relaunches the update it had in flight and ends where an unbroken one
+    does."""
+    from lightning_spec.objectives.online import FrozenStrategy
+    from lightning_spec.serving import online
+
+    policy = parse_tree_spec(POLICY)
+    requests = _requests(6)
+    options = {"lr": 3e-3, "steps_per_round": 2, "epochs": 0}
+
+    def serve(strategy, folder: str, chosen=requests, **kwargs):  # noqa: ANN001, ANN202
+        return run_stream(target, strategy, policy, chosen, out_dir=tmp_path / folder,
+                          round_size=2, max_new_tokens=10, **kwargs)  # fmt: skip
+
+    frozen = serve(make_strategy("frozen", HELPERS._drafter(target)), "frozen")
+    beside = make_strategy("ogd", HELPERS._drafter(target), **options)
+    rows = serve(beside, "beside", update_beside=True)
+    taus = [r["tau"] for r in rows]
+    assert taus[:4] == pytest.approx([r["tau"] for r in frozen[:4]], abs=1e-9)
+    after_round_0 = make_strategy("ogd", HELPERS._drafter(target), **options)
+    serve(after_round_0, "serial0", requests[:2])  # learns round 0 (a stream's last round)
+    third = serve(FrozenStrategy(after_round_0.drafter), "third", requests[4:])
+    assert taus[4:] == pytest.approx([r["tau"] for r in third], abs=1e-9)
+    after_rounds_01 = make_strategy("ogd", HELPERS._drafter(target), **options)
+    serve(after_rounds_01, "serial01", requests[:4])
+
+    def same(a, b) -> None:  # noqa: ANN001
+        for x, y in zip(a.drafter.parameters(), b.drafter.parameters(), strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+    same(beside, after_rounds_01)
+    rounds = [json.loads(line) for line in (tmp_path / "beside" / "rounds.jsonl").open()]
+    assert "beside_update_seconds" not in rounds[0] and "beside_update_seconds" in rounds[1]
+
+    class Killed(Exception):
+        pass
+
+    real = online.SpeculativeDecoder.generate
+    calls = {"n": 0}
+
+    def dies_in_round_2(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise Killed
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(online.SpeculativeDecoder, "generate", dies_in_round_2)
+    with pytest.raises(Killed):
+        serve(make_strategy("ogd", HELPERS._drafter(target), **options), "killed",
+              update_beside=True)  # fmt: skip
+    monkeypatch.setattr(online.SpeculativeDecoder, "generate", real)
+    resumed = make_strategy("ogd", HELPERS._drafter(target), **options)
+    again = serve(resumed, "killed", update_beside=True)
+    assert [r["tau"] for r in again] == pytest.approx(taus, abs=1e-9)
+    same(resumed, beside)
+    with pytest.raises(ValueError, match="update_beside"):
+        serve(beside, "bad", update_beside=True, regret_window=2)
