@@ -39,6 +39,7 @@ import torch
 from lightning_spec.decoding.build import TreePolicy
 from lightning_spec.decoding.engine import SpeculativeDecoder
 from lightning_spec.decoding.lookup import require_drafter_policy
+from lightning_spec.io import atomic_path
 from lightning_spec.objectives.online import OnlineStrategy
 from lightning_spec.serving.stream import Request
 
@@ -206,34 +207,16 @@ def run_stream(
                 target, drafter, policy, keep_features=True, keep_labels=labels
             )
             generations = []
-            served_seconds = 0.0
             for offset, request in enumerate(chunk):
                 greedy = None if continuations is None else continuations[index * round_size + offset]
-                known = greedy if replay else None
-                if known:
+                if greedy and replay:
                     result = replay_request(
-                        target, drafter, policy, request.prompt, known, keep_labels=labels
+                        target, drafter, policy, request.prompt, greedy, keep_labels=labels
                     )
                 else:
                     result = decoder.generate(request.prompt, max_new_tokens)
                 generations.append(result)
-                served_seconds += result.total_seconds
-                row = {
-                    "round": index,
-                    "request": request.index,
-                    "domain": request.domain,
-                    "id": request.id,
-                    "tau": result.tau,
-                    "tokens": len(result.tokens),
-                    "verifications": result.num_verifications,
-                    "seconds": result.total_seconds,
-                    "tokens_per_s": len(result.tokens) / result.total_seconds
-                    if result.total_seconds > 0 and not known
-                    else None,
-                    "replayed": bool(known),
-                }
-                if greedy and not known:
-                    row["greedy_match"] = matches_greedy(result.tokens, greedy)
+                row = _request_row(index, request, result, greedy, replayed=bool(greedy and replay))
                 logged.append(row)
                 _append(out / REQUESTS, row)
             if record_feedback:
@@ -254,26 +237,9 @@ def run_stream(
             else:
                 update = {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0,
                           "skipped_update": 1.0}  # fmt: skip
-            tokens = sum(len(g.tokens) for g in generations)
-            verifications = sum(g.num_verifications for g in generations)
-            committed = sum(sum(len(r.committed) for r in g.records) for g in generations)
-            summary = {
-                "round": index,
-                "strategy": strategy.name,
-                "requests": len(chunk),
-                "tau": committed / verifications if verifications else float("nan"),
-                "tokens_per_s": tokens / served_seconds if served_seconds > 0 else float("nan"),
-                "net_tokens_per_s": tokens / (served_seconds + update["update_seconds"])
-                if served_seconds > 0
-                else float("nan"),
-                **update,
-                **prequential_summary(logged),
-            }
-            checked = [r["greedy_match"] for r in logged[-len(chunk) :] if "greedy_match" in r]
-            if checked:
-                summary["greedy_mismatches"] = float(checked.count(False))
-            from lightning_spec.io import atomic_path
-
+            summary = {"round": index, "strategy": strategy.name,
+                       **_round_figures(generations, logged[-len(chunk) :], update),
+                       **prequential_summary(logged)}  # fmt: skip
             launch = due and beside is not None and index < total_rounds - 1
             with atomic_path(checkpoint) as tmp:  # the strategy is idle here, also beside serving
                 torch.save({"round": index, "strategy": strategy.state_dict(), "pending": pending,
@@ -332,8 +298,6 @@ def replay_request(
 
 def save_feedback(out: Path, index: int, generations: list[Any]) -> Path:
     """Write one round's generations atomically to ``out/feedback/round-NNNN.pt``."""
-    from lightning_spec.io import atomic_path
-
     path = out / FEEDBACK / f"round-{index:04d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
@@ -377,6 +341,47 @@ def regret_proxy(strategy: OnlineStrategy, window: list[tuple[dict, list[Any]]])
     served = sum(table[t][t] for t in range(len(window)))
     best = min(sum(row) for row in table)
     return served - best
+
+
+def _request_row(
+    index: int, request: Request, result: Any, greedy: Sequence[int] | None, *, replayed: bool
+) -> dict[str, Any]:
+    """One line of the request log; a live request with a known greedy answer is checked."""
+    seconds = result.total_seconds
+    row = {
+        "round": index, "request": request.index, "domain": request.domain, "id": request.id,
+        "tau": result.tau, "tokens": len(result.tokens), "verifications": result.num_verifications,
+        "seconds": seconds,
+        "tokens_per_s": len(result.tokens) / seconds if seconds > 0 and not replayed else None,
+        "replayed": replayed,
+    }  # fmt: skip
+    if greedy and not replayed:
+        row["greedy_match"] = matches_greedy(result.tokens, greedy)
+    return row
+
+
+def _round_figures(
+    generations: Sequence[Any], rows: Sequence[dict[str, Any]], update: dict[str, Any]
+) -> dict[str, Any]:
+    """A round's tau, served and net tokens/s (update charged), the update's report and, for a
+    live-checked round, its greedy mismatches."""
+    served = sum(g.total_seconds for g in generations)
+    tokens = sum(len(g.tokens) for g in generations)
+    verifications = sum(g.num_verifications for g in generations)
+    committed = sum(sum(len(r.committed) for r in g.records) for g in generations)
+    figures = {
+        "requests": len(rows),
+        "tau": committed / verifications if verifications else float("nan"),
+        "tokens_per_s": tokens / served if served > 0 else float("nan"),
+        "net_tokens_per_s": tokens / (served + update["update_seconds"])
+        if served > 0
+        else float("nan"),
+        **update,
+    }
+    checked = [r["greedy_match"] for r in rows if "greedy_match" in r]
+    if checked:
+        figures["greedy_mismatches"] = float(checked.count(False))
+    return figures
 
 
 def matches_greedy(served: Sequence[int], greedy: Sequence[int]) -> bool:
