@@ -122,8 +122,8 @@ def plot_rounds(runs: list[tuple[str, Path]], path: Path) -> Path:
     figure, axis = plt.subplots(figsize=(6, 3.2), dpi=100)
     for label, folder in runs:
         rows = _rows(folder / "rounds.jsonl")
-        axis.plot([r["round"] + 1 for r in rows], [r["tau"] for r in rows], label=label, marker=".")
-    axis.set_xlabel("round")
+        axis.plot(_round_starts(folder, rows), [r["tau"] for r in rows], label=label, marker=".")
+    axis.set_xlabel("stream position of the round's first request")
     axis.set_ylabel("tau (tokens per verification)")
     axis.legend(fontsize=7, ncol=2)
     axis.grid(alpha=0.3)
@@ -132,6 +132,18 @@ def plot_rounds(runs: list[tuple[str, Path]], path: Path) -> Path:
     figure.savefig(path)
     plt.close(figure)
     return path
+
+
+def _round_starts(folder: Path, rounds: list[dict[str, Any]]) -> list[int]:
+    """Where each round starts in the stream (its first request's index), so that a run served
+    on part of the stream (the hindsight ceiling's tail) sits above the same requests as the
+    others; the round number times its size where the request log is missing."""
+    first: dict[int, int] = {}
+    log = folder / "requests.jsonl"
+    for row in _rows(log) if log.is_file() else []:
+        first[row["round"]] = min(first.get(row["round"], row["request"]), row["request"])
+    size = max((int(r.get("requests", 1)) for r in rounds), default=1)
+    return [first.get(r["round"], r["round"] * size) for r in rounds]
 
 
 def parse_figure_runs(items: list[str]) -> list[tuple[str, Path]]:

@@ -67,6 +67,9 @@ def test_the_hindsight_ceiling_is_read_on_its_own_tail_requests(compare, tmp_pat
     assert table["hindsight"]["ceiling_share"] == pytest.approx(1.0)
     assert table["ogd"]["ceiling_share"] == pytest.approx(0.5)  # (2.5 - 2) / (3 - 2)
     assert table["hindsight"]["paired_gain"] == pytest.approx(1.0)
+    # in the figure the ceiling's one round sits above the stream's second round (request 2)
+    assert compare._round_starts(folder, compare._rows(folder / "rounds.jsonl")) == [2]
+    assert compare._round_starts(tmp_path / "ogd", compare._rows(tmp_path / "ogd" / "rounds.jsonl")) == [0, 2]
     assert compare._options("hindsight", {"lr": 1.0, "epochs": 2}) == {"lr": 1.0, "epochs": 2}
     assert compare._options("ogd", {"lr": 1.0, "epochs": 2, "beta": 0.1}) == {"lr": 1.0, "epochs": 2}
 
