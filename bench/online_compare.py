@@ -11,6 +11,14 @@ for every strategy (`tau_over_rounds.png`). Runs already finished in OUT are reu
         --strategies frozen,ogd,optimistic,ensemble,osd,dpo,hindsight [--seed 1] \\
         [--set optimistic.lr=0.5 --set optimistic.drafter=runs/sft_hydra_cpu/drafter/best]
 
+A replayed run's own seconds are replay time, not serving time (a replayed step skips the
+decoding a live step pays for: 22 ms against 152 ms per step measured on SmolLM2), so its table
+leaves served tokens/s out; ``--live-steps-from LIVE_FOLDER`` prices each replayed run's
+verification steps at a live run's seconds per step and adds its measured update seconds:
+``est_live_tokens_per_s``, ``est_live_net_tokens_per_s`` and ``update_share_of_serving``
+(an estimate that assumes the strategies' steps cost what the live run's did: same drafter
+architecture, same tree). ``--table-only`` recomputes the table without serving.
+
 ``hindsight`` (a replayed stream only) is the ceiling: the config's strategy fitted on the first
 70% of the stream (``--hindsight-fraction``, ``--hindsight-epochs`` passes) and scored frozen on
 the rest; the table gives every strategy's tau on those last requests (``tau@hindsight_tail``)
@@ -43,8 +51,32 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(out: Path, strategies: list[str]) -> dict[str, Any]:
-    """The comparison table from each strategy's request and round logs."""
+def live_step_seconds(folder: Path) -> float:
+    """Seconds per verification step of a LIVE run (its request log): what one step of this
+    drafter architecture and tree costs when decoded, which a replayed run does not measure."""
+    rows = [r for r in _rows(folder / "requests.jsonl") if not r.get("replayed")]
+    steps = sum(r["verifications"] for r in rows)
+    if not steps:
+        raise ValueError(f"{folder}: no live (non-replayed) request to time steps on")
+    return sum(r["seconds"] for r in rows) / steps
+
+
+def _live_estimate(requests: list[dict[str, Any]], rounds: list[dict[str, Any]],
+                   step: float) -> dict[str, float]:  # fmt: skip
+    """Served and net tokens/s of a replayed run at a live step cost: its verification steps
+    times `step`, plus its measured update seconds for the net figure."""
+    tokens = sum(r["tokens"] for r in requests)
+    serving = sum(r["verifications"] for r in requests) * step
+    updates = sum(r.get("update_seconds", 0.0) for r in rounds)
+    return {"est_live_tokens_per_s": tokens / serving,
+            "est_live_net_tokens_per_s": tokens / (serving + updates),
+            "update_share_of_serving": updates / serving}  # fmt: skip
+
+
+def summarize(out: Path, strategies: list[str], step: float | None = None) -> dict[str, Any]:
+    """The comparison table from each strategy's request and round logs; with `step` (seconds
+    per live verification step, `live_step_seconds`) also the live tokens/s each replayed run
+    stands for."""
     requests = {s: _rows(out / s / "requests.jsonl") for s in strategies}
     rounds = {s: _rows(out / s / "rounds.jsonl") for s in strategies}
     table: dict[str, Any] = {}
@@ -59,6 +91,8 @@ def summarize(out: Path, strategies: list[str]) -> dict[str, Any]:
             "net_tokens_per_s": _net(rounds[name]),
             "rolled_back": sum(r.get("rolled_back", 0.0) for r in rounds[name]),
         }
+        if step and requests[name]:
+            entry.update(_live_estimate(requests[name], rounds[name], step))
         for domain in dict.fromkeys(r.get("domain", "?") for r in requests[name]):
             picked = [r["tau"] for r in requests[name]
                       if r.get("domain", "?") == domain and r["tau"] == r["tau"]]  # fmt: skip
@@ -184,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="with 'hindsight' in --strategies: the share of the stream it is "
                         "fitted on (the rest is where every strategy is compared to it)")  # fmt: skip
     parser.add_argument("--hindsight-epochs", type=int, default=3)
+    parser.add_argument("--live-steps-from", type=Path, default=None, metavar="FOLDER",
+                        help="a live run of the same drafter architecture and tree: its seconds "
+                        "per verification step turn each replayed run's steps and update "
+                        "seconds into estimated live served and net tokens/s")  # fmt: skip
+    parser.add_argument("--table-only", action="store_true",
+                        help="serve nothing: the table of the runs already in --out")
     args = parser.parse_args(argv)
     if args.figure:
         try:
@@ -192,9 +232,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
         print(f"figure: {plot_rounds(runs, args.out)}")
         return 0
-    if args.config is None:
-        parser.error("--config is required (unless --figure only draws a figure)")
     strategies = [s for s in args.strategies.split(",") if s]
+    try:
+        step = live_step_seconds(args.live_steps_from) if args.live_steps_from else None
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
+    if args.table_only:
+        return _write_table(args.out, strategies, step)
+    if args.config is None:
+        parser.error("--config is required (unless --figure or --table-only)")
     try:
         overrides = parse_overrides(args.set, strategies)
     except ValueError as error:
@@ -223,10 +269,16 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0:
             print(f"{name}: online exited {code}", file=sys.stderr)
             return code
-    table = summarize(args.out, strategies)
-    (args.out / "summary.json").write_text(json.dumps(table, indent=1))
+    return _write_table(args.out, strategies, step)
+
+
+def _write_table(out: Path, strategies: list[str], step: float | None) -> int:
+    table = summarize(out, strategies, step)
+    if step:
+        table["live_step_seconds"] = step
+    (out / "summary.json").write_text(json.dumps(table, indent=1))
     print(json.dumps(table, indent=1))
-    print(f"figure: {plot(args.out, strategies)}")
+    print(f"figure: {plot(out, strategies)}")
     return 0
 
 

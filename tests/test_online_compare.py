@@ -104,3 +104,24 @@ def test_figure_mode_draws_runs_of_several_comparisons_without_serving(
         compare.parse_figure_runs([str(tmp_path)])
     with pytest.raises(SystemExit):  # neither a config to serve nor runs to draw
         compare.main(["--out", str(tmp_path / "c")])
+
+
+def test_replayed_runs_are_priced_at_a_live_runs_step_cost(compare, tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    live.mkdir()
+    rows = [{"round": 0, "request": i, "tau": 2.0, "tokens": 10, "verifications": 5,
+             "seconds": 1.0, "replayed": False} for i in range(2)]  # fmt: skip
+    (live / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    step = compare.live_step_seconds(live)
+    assert step == pytest.approx(0.2)  # 2 s over 10 steps
+    replayed = [{"round": 0, "request": i, "tau": 2.5, "tokens": 10, "verifications": 4,
+                 "seconds": 0.1, "replayed": True} for i in range(2)]  # fmt: skip
+    estimate = compare._live_estimate(replayed, [{"update_seconds": 0.4}], step)
+    assert estimate["est_live_tokens_per_s"] == pytest.approx(20 / 1.6)
+    assert estimate["est_live_net_tokens_per_s"] == pytest.approx(20 / 2.0)
+    assert estimate["update_share_of_serving"] == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="no live"):
+        folder = tmp_path / "only_replayed"
+        folder.mkdir()
+        (folder / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in replayed))
+        compare.live_step_seconds(folder)

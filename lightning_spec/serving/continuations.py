@@ -5,7 +5,7 @@ answer), so a long stream need not be decoded once per strategy: the answers are
 once, `batch_size` prompts at a time (HF batch decode, several times the speed of batch-1
 decoding on a CPU), each cut to its batch-1 greedy prefix (batched arithmetic may break a
 near-tie differently; `decoding.replay.greedy_prefix`), and kept in a JSONL file keyed by
-request id. `run_stream(continuations=...)` then serves each request by exact replay
+request id and a digest of its prompt (two streams whose ids collide can share a cache). `run_stream(continuations=...)` then serves each request by exact replay
 (`decoding.replay.replay_greedy`): the records, hence tau and the feedback the strategies learn
 from, are the ones live decoding would give on that text (tests compare them). Only time is not
 replayed: tokens/s comes from a live run (`lightning-spec online` without ``replay``).
@@ -17,6 +17,7 @@ not match refuses the file (another target or answer length).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -52,8 +53,25 @@ def _read(path: Path, header: dict[str, Any]) -> dict[str, list[int]]:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by a kill: its request is generated again
-        cached[str(row["id"])] = [int(t) for t in row["tokens"]]
+        # rows before the prompt digest was recorded are found by id alone
+        key = _key(row["id"], row["prompt_sha"]) if "prompt_sha" in row else str(row["id"])
+        cached[key] = [int(t) for t in row["tokens"]]
     return cached
+
+
+def _prompt_sha(prompt: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps([int(t) for t in prompt]).encode()).hexdigest()[:16]
+
+
+def _key(request_id: object, prompt_sha: str) -> str:
+    """A cache entry is one request id WITH its prompt: two streams sharing a cache whose ids
+    collide (two files both numbered from 0) never replay each other's answers."""
+    return f"{request_id}\t{prompt_sha}"
+
+
+def _lookup(cached: dict[str, list[int]], request: Any) -> list[int] | None:
+    found = cached.get(_key(request.id, _prompt_sha(request.prompt)))
+    return found if found is not None else cached.get(str(request.id))
 
 
 def stream_continuations(
@@ -76,7 +94,7 @@ def stream_continuations(
     cached = _read(path, header)
     if not path.is_file() or not path.read_text().strip():
         path.write_text(json.dumps(header) + "\n")
-    missing = [r for r in requests if str(r.id) not in cached]
+    missing = [r for r in requests if _lookup(cached, r) is None]
     for begin in range(0, len(missing), batch_size * 4):
         chunk = missing[begin : begin + batch_size * 4]
         answers = greedy_answers(
@@ -89,12 +107,14 @@ def stream_continuations(
                 ids = torch.tensor([list(request.prompt) + list(answer)], device=target.device)
                 text = text_pass(target, ids, len(request.prompt), features=False)
                 keep = greedy_prefix(target, text, answer)
-            cached[str(request.id)] = list(answer[:keep])
-            lines.append(json.dumps({"id": str(request.id), "tokens": answer[:keep], "cut": keep < len(answer)}))
+            sha = _prompt_sha(request.prompt)
+            cached[_key(request.id, sha)] = list(answer[:keep])
+            lines.append(json.dumps({"id": str(request.id), "prompt_sha": sha,
+                                     "tokens": answer[:keep], "cut": keep < len(answer)}))  # fmt: skip
         with open(path, "a") as handle:
             handle.write("".join(line + "\n" for line in lines))
             handle.flush()
             os.fsync(handle.fileno())
         if progress:
             print(f"[continuations] {begin + len(chunk)}/{len(missing)} generated", flush=True)
-    return [cached[str(r.id)] for r in requests]
+    return [_lookup(cached, r) for r in requests]

@@ -364,20 +364,25 @@ def _round_figures(
     generations: Sequence[Any], rows: Sequence[dict[str, Any]], update: dict[str, Any]
 ) -> dict[str, Any]:
     """A round's tau, served and net tokens/s (update charged), the update's report and, for a
-    live-checked round, its greedy mismatches."""
+    live-checked round, its greedy mismatches. A replayed round's seconds are replay time, not
+    serving time (a replayed step skips the decoding a live one pays for), so its tokens/s are
+    NaN and the seconds are kept as ``replay_seconds``."""
     served = sum(g.total_seconds for g in generations)
     tokens = sum(len(g.tokens) for g in generations)
     verifications = sum(g.num_verifications for g in generations)
     committed = sum(sum(len(r.committed) for r in g.records) for g in generations)
+    live = served > 0 and not any(r["replayed"] for r in rows)
     figures = {
         "requests": len(rows),
         "tau": committed / verifications if verifications else float("nan"),
-        "tokens_per_s": tokens / served if served > 0 else float("nan"),
-        "net_tokens_per_s": tokens / (served + update["update_seconds"])
-        if served > 0
-        else float("nan"),
+        "tokens": float(tokens),
+        "verifications": float(verifications),
+        "tokens_per_s": tokens / served if live else float("nan"),
+        "net_tokens_per_s": tokens / (served + update["update_seconds"]) if live else float("nan"),
         **update,
     }
+    if rows and not live:
+        figures["replay_seconds"] = served
     checked = [r["greedy_match"] for r in rows if "greedy_match" in r]
     if checked:
         figures["greedy_mismatches"] = float(checked.count(False))

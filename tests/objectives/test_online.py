@@ -303,6 +303,9 @@ def test_a_replayed_stream_equals_the_live_one(
     assert [r["tau"] for r in replayed] == pytest.approx([r["tau"] for r in live], abs=1e-9)
     assert [r["verifications"] for r in replayed] == [r["verifications"] for r in live]
     assert all(r["replayed"] and r["tokens_per_s"] is None for r in replayed)
+    replayed_rounds = [json.loads(line) for line in (tmp_path / "replayed" / "rounds.jsonl").open()]
+    assert all(r["replay_seconds"] > 0 and r["net_tokens_per_s"] != r["net_tokens_per_s"]
+               for r in replayed_rounds)  # fmt: skip  (replay time is not serving time: NaN)
     assert not any(r["replayed"] for r in live)
     # live_check: decoded live, each output checked against its known greedy answer
     wrong = [list(a) for a in answers]
@@ -321,6 +324,13 @@ def test_a_replayed_stream_equals_the_live_one(
     assert stream_continuations(target, requests, max_new_tokens=10, cache=cache, progress=False) == answers
     with pytest.raises(ValueError, match="another target or length"):
         stream_continuations(target, requests, max_new_tokens=11, cache=cache, progress=False)
+    # another stream with the same ids but other prompts gets its own answers from the cache
+    monkeypatch.undo()
+    other = [Request(r.index, r.domain, r.id, [t + 1 for t in r.prompt]) for r in requests[:2]]
+    theirs = stream_continuations(target, other, max_new_tokens=10, cache=cache, progress=False)
+    for request, answer in zip(other, theirs, strict=True):
+        assert answer == autoregressive_generate(target, request.prompt, 10)[: len(answer)]
+    assert theirs != answers[:2]
 
 
 def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None:
