@@ -184,19 +184,19 @@ def run_stream(
         pending = list(state.get("pending", []))
         launch_pending = bool(state.get("launch_pending", False))
         log.info("resuming the stream at round %d from %s", start_round, checkpoint)
+    total_rounds = math.ceil(len(requests) / round_size)
     beside = None
     if update_beside:
         from lightning_spec.serving.beside import BesideUpdater
 
         beside = BesideUpdater(strategy)
-        if launch_pending and start_round < math.ceil(len(requests) / round_size):
+        if launch_pending and start_round < total_rounds:
             beside.launch(pending)  # the update the killed run had started
             pending = []
     logged = [r for r in _read_lines(out / REQUESTS) if r["round"] < start_round]
     _write_lines(out / REQUESTS, logged)  # drop what an unfinished round logged
     rounds = [r for r in _read_lines(out / ROUNDS) if r["round"] < start_round]
     _write_lines(out / ROUNDS, rounds)
-    total_rounds = math.ceil(len(requests) / round_size)
     window: list[tuple[dict[str, torch.Tensor], list[Any]]] = []
     try:
         for index in range(start_round, total_rounds):
