@@ -95,6 +95,16 @@ def stream_continuations(
     if not path.is_file() or not path.read_text().strip():
         path.write_text(json.dumps(header) + "\n")
     missing = [r for r in requests if _lookup(cached, r) is None]
+    by_id = sum(1 for r in requests if _key(r.id, _prompt_sha(r.prompt)) not in cached
+                and str(r.id) in cached)  # fmt: skip
+    if progress and by_id:
+        print(f"[continuations] {by_id} of {len(requests)} answers in {path} are rows written "
+              "before prompt digests, matched by request id alone (a stream whose ids collide "
+              "with another's would replay its answers: name a fresh replay_cache to be sure)",
+              flush=True)  # fmt: skip
+    if progress and missing:
+        print(f"[continuations] {len(missing)} of {len(requests)} greedy answers not in {path}: "
+              f"generating them, {batch_size} prompts a batch", flush=True)  # fmt: skip
     for begin in range(0, len(missing), batch_size * 4):
         chunk = missing[begin : begin + batch_size * 4]
         answers = greedy_answers(

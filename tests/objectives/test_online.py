@@ -275,7 +275,8 @@ def test_topk_hits_counts_the_label_among_the_k_most_likely_tokens() -> None:
 
 
 def test_a_replayed_stream_equals_the_live_one(
-    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Answers generated once in batches and replayed give every request the tau, tokens and
     feedback of live decoding, also after OGD has moved the drafter; the cache resumes."""
@@ -331,6 +332,16 @@ def test_a_replayed_stream_equals_the_live_one(
     for request, answer in zip(other, theirs, strict=True):
         assert answer == autoregressive_generate(target, request.prompt, 10)[: len(answer)]
     assert theirs != answers[:2]
+    # rows written before prompt digests are still found, by id alone, and the run says so
+    lines = cache.read_text().splitlines()
+    legacy = tmp_path / "legacy.jsonl"
+    rows = [json.loads(line) for line in lines[1 : 1 + len(requests)]]
+    legacy.write_text("\n".join([lines[0]] + [json.dumps({"id": r["id"], "tokens": r["tokens"]})
+                                                for r in rows]) + "\n")  # fmt: skip
+    capsys.readouterr()
+    monkeypatch.setattr(regenerate, "greedy_answers", lambda *a, **k: pytest.fail("generated"))
+    assert stream_continuations(target, requests, max_new_tokens=10, cache=legacy) == answers
+    assert f"{len(requests)} of {len(requests)} answers" in capsys.readouterr().out
 
 
 def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None:
