@@ -87,8 +87,7 @@ def summarize(out: Path, strategies: list[str], step: float | None = None) -> di
             "requests": len(requests[name]),
             "prequential_tau": sum(taus) / len(taus) if taus else None,
             "prequential_tau_ci": stats.bootstrap_ci(taus),
-            "tokens_per_s": rounds[name][-1]["prequential_tokens_per_s"] if rounds[name] else None,
-            "net_tokens_per_s": _net(rounds[name]),
+            **_served(requests[name], rounds[name]),
             "rolled_back": sum(r.get("rolled_back", 0.0) for r in rounds[name]),
         }
         if step and requests[name]:
@@ -132,12 +131,17 @@ def summarize(out: Path, strategies: list[str], step: float | None = None) -> di
     return table
 
 
-def _net(rounds: list[dict[str, Any]]) -> float | None:
-    """Request-weighted mean of the rounds' tokens/s net of update time."""
-    served = sum(r["requests"] for r in rounds)
-    if not served:
-        return None
-    return sum(r["net_tokens_per_s"] * r["requests"] for r in rounds) / served
+def _served(requests: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Served and net tokens/s of a live run as ratios of sums: every live request's tokens over
+    its decoding seconds, and over those plus the rounds' update seconds (a frozen run's two are
+    equal). None for a replayed run, whose seconds are not serving seconds."""
+    live = [r for r in requests if r.get("tokens_per_s") and r.get("seconds")]
+    if not live:
+        return {"tokens_per_s": None, "net_tokens_per_s": None}
+    tokens = sum(r["tokens"] for r in live)
+    seconds = sum(r["seconds"] for r in live)
+    updates = sum(r.get("update_seconds", 0.0) for r in rounds)
+    return {"tokens_per_s": tokens / seconds, "net_tokens_per_s": tokens / (seconds + updates)}
 
 
 def plot(out: Path, strategies: list[str]) -> Path:

@@ -15,12 +15,15 @@ def compare(bench_script):  # noqa: ANN001, ANN201
     return bench_script("online_compare")
 
 
-def _write(folder: Path, taus: list[float], net: float) -> None:
+def _write(folder: Path, taus: list[float], update: float) -> None:
+    """Live logs: every request 10 tokens in 0.5 s (20 tok/s), `update` seconds per round."""
     folder.mkdir(parents=True)
-    requests = [{"round": i // 2, "request": i, "tau": t} for i, t in enumerate(taus)]
+    requests = [{"round": i // 2, "request": i, "tau": t, "tokens": 10, "seconds": 0.5,
+                 "tokens_per_s": 20.0} for i, t in enumerate(taus)]  # fmt: skip
     rounds = [
         {"round": r, "requests": 2, "tau": sum(taus[2 * r : 2 * r + 2]) / 2, "tokens_per_s": 20.0,
-         "net_tokens_per_s": net, "prequential_tokens_per_s": 20.0, "rolled_back": float(r == 1)}
+         "net_tokens_per_s": 20.0 / (1.0 + update), "update_seconds": update,
+         "prequential_tokens_per_s": 20.0, "rolled_back": float(r == 1)}
         for r in range(len(taus) // 2)
     ]  # fmt: skip
     (folder / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in requests))
@@ -30,8 +33,8 @@ def _write(folder: Path, taus: list[float], net: float) -> None:
 def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
     compare, tmp_path: Path
 ) -> None:
-    _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 20.0)
-    _write(tmp_path / "ogd", [2.0, 2.2, 2.4, 2.6], 15.0)
+    _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 0.0)
+    _write(tmp_path / "ogd", [2.0, 2.2, 2.4, 2.6], 1.0 / 3.0)
     table = compare.summarize(tmp_path, ["frozen", "ogd"])
     assert table["frozen"]["prequential_tau"] == pytest.approx(2.0)
     assert table["ogd"]["prequential_tau"] == pytest.approx(2.3)
@@ -42,7 +45,9 @@ def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
     low, high = table["ogd"]["relative_gain_ci"]
     assert 0.0 <= low <= 0.15 <= high
     assert table["ogd"]["tau@?"] == pytest.approx(2.3)
-    assert table["ogd"]["net_tokens_per_s"] == pytest.approx(15.0)
+    assert table["ogd"]["net_tokens_per_s"] == pytest.approx(15.0)  # 40 tokens in 2 s + 2/3 s
+    assert table["ogd"]["tokens_per_s"] == pytest.approx(20.0)
+    assert table["frozen"]["net_tokens_per_s"] == table["frozen"]["tokens_per_s"] == pytest.approx(20.0)
     assert table["ogd"]["rolled_back"] == 1.0
     assert compare.plot(tmp_path, ["frozen", "ogd"]).stat().st_size > 1000
     assert compare._options("dpo", {"lr": 1.0, "learners": 3, "beta": 0.2}) == {
@@ -52,8 +57,8 @@ def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
 
 
 def test_the_hindsight_ceiling_is_read_on_its_own_tail_requests(compare, tmp_path: Path) -> None:
-    _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 20.0)
-    _write(tmp_path / "ogd", [2.0, 2.2, 2.4, 2.6], 15.0)
+    _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 0.0)
+    _write(tmp_path / "ogd", [2.0, 2.2, 2.4, 2.6], 1.0 / 3.0)
     folder = tmp_path / "hindsight"
     folder.mkdir()
     rows = [{"round": 0, "request": 2, "tau": 3.0}, {"round": 0, "request": 3, "tau": 3.0}]
@@ -92,8 +97,8 @@ def test_set_overrides_split_config_keys_from_strategy_options(compare) -> None:
 def test_figure_mode_draws_runs_of_several_comparisons_without_serving(
     compare, tmp_path: Path
 ) -> None:
-    _write(tmp_path / "a" / "frozen", [2.0, 2.0, 2.0, 2.0], 20.0)
-    _write(tmp_path / "b" / "optimistic", [2.0, 2.2, 2.4, 2.6], 15.0)
+    _write(tmp_path / "a" / "frozen", [2.0, 2.0, 2.0, 2.0], 0.0)
+    _write(tmp_path / "b" / "optimistic", [2.0, 2.2, 2.4, 2.6], 1.0 / 3.0)
     png = tmp_path / "figures" / "tau.png"
     code = compare.main(["--out", str(png), "--figure", f"eagle3 frozen={tmp_path / 'a' / 'frozen'}",
                          "--figure", f"hydra optimistic={tmp_path / 'b' / 'optimistic'}"])  # fmt: skip

@@ -398,9 +398,11 @@ def matches_greedy(served: Sequence[int], greedy: Sequence[int]) -> bool:
 def prequential_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Means over every request served so far (each by the model that existed before it)."""
     taus = [r["tau"] for r in rows if r["tau"] is not None and math.isfinite(r["tau"])]
-    rates = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")]
+    live = [r for r in rows if r.get("tokens_per_s")]  # replayed requests have no serving time
+    seconds = sum(r["seconds"] for r in live)
     return {
         "prequential_tau": sum(taus) / len(taus) if taus else float("nan"),
-        "prequential_tokens_per_s": sum(rates) / len(rates) if rates else float("nan"),
+        # tokens over seconds, not a mean of per-request rates (short answers would weigh as much)
+        "prequential_tokens_per_s": sum(r["tokens"] for r in live) / seconds if seconds else float("nan"),
         "served": float(len(rows)),
     }

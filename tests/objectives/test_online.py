@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -357,6 +358,9 @@ def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None
     steps = make_strategy("ogd", full, lr=1e-3, epochs=3, minibatch=2).update(generations)
     assert steps["optimizer_steps"] == 3 * 2  # 3 sequences in minibatches of 2, 3 epochs
     assert steps["draft_vocab_miss"] == 0.0
+    # the served loss (a diagnostic a frozen drafter computes too) is timed apart from learning
+    assert steps["diagnostic_seconds"] > 0 and steps["update_seconds"] > 0
+    assert math.isfinite(steps["online_loss"])
     metrics = make_strategy("ogd", drafter, lr=1e-3, epochs=1).update(generations)
     batch = feedback_batch(generations)
     served = (batch["loss_mask"] * batch["attention_mask"]).bool()
