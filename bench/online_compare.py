@@ -42,6 +42,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from lightning_spec import stats
@@ -71,6 +72,34 @@ def _live_estimate(requests: list[dict[str, Any]], rounds: list[dict[str, Any]],
     return {"est_live_tokens_per_s": tokens / serving,
             "est_live_net_tokens_per_s": tokens / (serving + updates),
             "update_share_of_serving": updates / serving}  # fmt: skip
+
+
+def _estimate_columns(
+    requests: list[dict[str, Any]], rounds: list[dict[str, Any]], step: float
+) -> dict[int, tuple[float, float]]:
+    """{request: (tokens, estimated live seconds)}: its verification steps at `step` plus its
+    share of its round's update (the update spread evenly over the round's requests)."""
+    share = {r["round"]: r.get("update_seconds", 0.0) / max(1.0, r["requests"]) for r in rounds}
+    return {r["request"]: (r["tokens"], r["verifications"] * step + share.get(r["round"], 0.0))
+            for r in requests}  # fmt: skip
+
+
+def _net_gain(
+    mine: dict[int, tuple[float, float]], frozen: dict[int, tuple[float, float]]
+) -> dict[str, Any]:
+    """The estimated live net tokens/s gain over frozen, paired over the requests both served,
+    with a bootstrap interval: requests (and their update shares) are resampled in pairs."""
+    both = [mine[k] + frozen[k] for k in mine if k in frozen]
+    if not both:
+        return {}
+    columns = tuple([row[i] for row in both] for i in range(4))
+
+    def gain(t_a: Any, s_a: Any, t_b: Any, s_b: Any) -> Any:
+        return (t_a.sum(-1) / s_a.sum(-1)) / (t_b.sum(-1) / s_b.sum(-1)) - 1
+
+    point = gain(*(torch.tensor(c, dtype=torch.float64) for c in columns))
+    return {"est_live_net_gain": float(point),
+            "est_live_net_gain_ci": stats.bootstrap_ci(columns, gain)}  # fmt: skip
 
 
 def summarize(out: Path, strategies: list[str], step: float | None = None) -> dict[str, Any]:
@@ -115,6 +144,11 @@ def summarize(out: Path, strategies: list[str], step: float | None = None) -> di
                 ([a for a, _ in both], [b for _, b in both]),
                 lambda a, b: stats.ratio_of_sums_of(a, b) - 1,
             )
+            if step and requests["frozen"] and name != "hindsight":  # its fit is not charged
+                entry.update(_net_gain(
+                    _estimate_columns(requests[name], rounds[name], step),
+                    _estimate_columns(requests["frozen"], rounds["frozen"], step),
+                ))  # fmt: skip
         table[name] = entry
     if "hindsight" in requests:  # the ceiling: every strategy on the requests it was scored on
         tail = {r["request"] for r in requests["hindsight"]}

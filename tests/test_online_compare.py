@@ -125,6 +125,16 @@ def test_replayed_runs_are_priced_at_a_live_runs_step_cost(compare, tmp_path: Pa
     assert estimate["est_live_tokens_per_s"] == pytest.approx(20 / 1.6)
     assert estimate["est_live_net_tokens_per_s"] == pytest.approx(20 / 2.0)
     assert estimate["update_share_of_serving"] == pytest.approx(0.25)
+    # paired over requests: frozen (5 steps each, no update) against the run above (4 steps
+    # each and a 0.4 s update spread over its round's 2 requests)
+    frozen = compare._estimate_columns(rows, [{"round": 0, "requests": 2}], step)
+    mine = compare._estimate_columns(replayed, [{"round": 0, "requests": 2, "update_seconds": 0.4}], step)
+    assert mine == {0: (10, pytest.approx(1.0)), 1: (10, pytest.approx(1.0))}
+    net = compare._net_gain(mine, frozen)
+    assert net["est_live_net_gain"] == pytest.approx((20 / 2.0) / (20 / 2.0) - 1)
+    low, high = net["est_live_net_gain_ci"]
+    assert low == pytest.approx(0.0) and high == pytest.approx(0.0)  # identical requests
+    assert compare._net_gain(mine, {}) == {}
     with pytest.raises(ValueError, match="no live"):
         folder = tmp_path / "only_replayed"
         folder.mkdir()

@@ -123,6 +123,21 @@ def test_optimistic_update_uses_the_last_gradient_as_hint(target: TargetModel) -
         torch.testing.assert_close(hat, w0 - lr * g, atol=1e-6, rtol=1e-5)
     momentum = make_strategy("optimistic", drafter, lr=lr, momentum=0.9)
     assert momentum.update(generations)["online_loss"] > 0
+    # the reference's Hydra recipe: one step per shuffled minibatch over the epochs; with one
+    # minibatch holding the whole round, the first step is the round's own optimistic step
+    whole = make_strategy("optimistic", drafter, lr=lr, grad_clip=1e9, epochs=1, minibatch=8)
+    report = whole.update(generations)
+    assert report["optimizer_steps"] == 1.0 and report["diagnostic_seconds"] > 0
+    for mine, theirs in zip(_trainable(whole.drafter), _trainable(strategy.drafter), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
+    split = make_strategy("optimistic", drafter, lr=lr, epochs=3, minibatch=1)
+    # a request whose every label lies outside the 48-token draft vocabulary gives no step
+    labelled = sum(online_loss(drafter, feedback_batch([g]), ttt_steps=2)[1] > 0 for g in generations)
+    assert labelled >= 1
+    assert split.update(generations)["optimizer_steps"] == 3.0 * labelled
+    resumed = make_strategy("optimistic", drafter, lr=lr, epochs=3, minibatch=1)
+    resumed.load_state_dict(split.state_dict())
+    assert torch.equal(resumed._shuffle.get_state(), split._shuffle.get_state())
 
 
 def test_ensemble_serves_the_hedge_weighted_average(target: TargetModel) -> None:
