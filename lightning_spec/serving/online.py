@@ -398,7 +398,7 @@ def matches_greedy(served: Sequence[int], greedy: Sequence[int]) -> bool:
 def prequential_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Means over every request served so far (each by the model that existed before it)."""
     taus = [r["tau"] for r in rows if r["tau"] is not None and math.isfinite(r["tau"])]
-    live = [r for r in rows if r.get("tokens_per_s")]  # replayed requests have no serving time
+    live = [r for r in rows if r.get("tokens_per_s") and r.get("seconds")]  # replayed: no time
     seconds = sum(r["seconds"] for r in live)
     return {
         "prequential_tau": sum(taus) / len(taus) if taus else float("nan"),
