@@ -23,7 +23,6 @@ import argparse
 import functools
 import importlib
 import importlib.util
-import json
 import math
 import os
 import platform
@@ -33,6 +32,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from lightning_spec.bench.report import write_json
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -341,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             "tree_attention": attention_rows,
             "tree_verify": verify_rows,
         }
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.output, report, indent=2)
         print(f"\nwrote {args.output}", file=sys.stderr)
     return 0
 

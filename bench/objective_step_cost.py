@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from lightning_spec.bench.machine import git_commit, machine_info
+from lightning_spec.bench.report import write_json
 from lightning_spec.data.datamodule import RolloutDataModule
 from lightning_spec.io import sha256_file
 from lightning_spec.models.drafters.base import load_drafter
@@ -213,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         print(json.dumps({k: v for k, v in results_greedy.items() if k != "machine"}, indent=1))
         if args.output:
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(results_greedy, indent=1) + "\n")
+            write_json(args.output, results_greedy)
         return 0
     batches = _batches(args, target)
     results: dict[str, Any] = {
@@ -245,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     results["gto_over_sft"] = ratio
     print(json.dumps({k: v for k, v in results.items() if k != "machine"}, indent=1))
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.output, results)
     return 0
 
 

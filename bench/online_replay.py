@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_spec import stats
+from lightning_spec.bench.report import write_json
 from lightning_spec.cli.online import parse_value
 
 
@@ -172,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"feedback": str(args.feedback), "drafter": args.drafter, "domains": domains,
                       "reference": reference, "table": table, "rounds": per_variant,
                       "variants": {n: {"strategy": s, **o} for n, s, o in variants}}  # fmt: skip
-            args.output.parent.mkdir(parents=True, exist_ok=True)
-            args.output.write_text(json.dumps(result, indent=1))
+            write_json(args.output, result)
     print(json.dumps(summarize(per_variant, domains, reference), indent=1))
     return 0
 

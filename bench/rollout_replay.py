@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_spec.bench.report import write_json
+
 
 def _steps(generations: list[Any]) -> list[list[tuple]]:
     return [
@@ -130,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(result["runs"], indent=1))
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, indent=1))
+        write_json(args.output, result)
     return 0
 
 

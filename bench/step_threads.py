@@ -14,7 +14,6 @@ count are summed (ratio of sums).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from lightning_spec import specs
+from lightning_spec.bench.report import write_json
 from lightning_spec.decoding.engine import SpeculativeDecoder
 
 
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"threads {count}: {entry['ms_per_step']:.1f} ms a step over "
               f"{int(entry['steps'])} steps")  # fmt: skip
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=1))
+        write_json(args.output, report)
     return 0
 
 

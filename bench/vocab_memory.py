@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lightning_spec.bench.report import write_json
+
 
 def _status_mb(key: str) -> float:
     """A /proc/self/status memory field (VmRSS: now, VmHWM: the peak), in MB."""
@@ -139,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"command": sys.argv, "rows": rows}, indent=2) + "\n")
+        write_json(args.output, {"command": sys.argv, "rows": rows}, indent=2)
     return 0
 
 

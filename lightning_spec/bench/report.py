@@ -330,6 +330,14 @@ def dumps_result(result: dict[str, Any]) -> str:
     return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
+def write_json(path: str | Path, value: Any, *, indent: int = 1) -> Path:
+    """A bench script's raw figures as indented JSON, its folder made first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=indent) + "\n")
+    return path
+
+
 def write_outputs(result: dict[str, Any], output: str | Path) -> tuple[Path, Path]:
     """Write the JSON and, next to it, the markdown table (same name, .md)."""
     path = Path(output)
