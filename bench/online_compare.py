@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -303,11 +304,40 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(yaml.safe_dump(dict(config, strategy=strategy)))
             command += ["--hindsight", str(args.hindsight_fraction),
                         "--hindsight-epochs", str(args.hindsight_epochs)]  # fmt: skip
-        code = subprocess.call(command)
+        code = run_child(command)
         if code != 0:
             print(f"{name}: online exited {code}", file=sys.stderr)
             return code
     return _write_table(args.out, strategies, step)
+
+
+def run_child(command: list[str]) -> int:
+    """Run one strategy's `lightning-spec online` and take it down with us.
+
+    ``subprocess.call`` leaves the child running when this wrapper is killed: an orphaned
+    stream then keeps writing its folder beside whatever runs next (it happened: an OSD run
+    went on beside CI and beside its own resumed copy). SIGTERM and SIGINT are passed on to the
+    child, and a child still alive when we leave, by any path, is terminated, then killed.
+    """
+    child = subprocess.Popen(command)
+
+    def forward(signum: int, _frame: Any) -> None:
+        child.send_signal(signum)
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if child.poll() is None:
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
 
 
 def _write_table(out: Path, strategies: list[str], step: float | None) -> int:

@@ -140,3 +140,37 @@ def test_replayed_runs_are_priced_at_a_live_runs_step_cost(compare, tmp_path: Pa
         folder.mkdir()
         (folder / "requests.jsonl").write_text("".join(json.dumps(x) + "\n" for x in replayed))
         compare.live_step_seconds(folder)
+
+
+def test_killing_the_wrapper_takes_its_strategy_child_down(tmp_path: Path) -> None:
+    """SIGTERM to online_compare must not orphan the `lightning-spec online` it started."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    wrapper = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('oc', {str(ROOT / 'bench/online_compare.py')!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        f"sys.exit(module.run_child([sys.executable, '-c', {child!r}]))\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", wrapper], cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline and process.poll() is None, "the child never started"
+        time.sleep(0.05)
+    child_pid = int(pid_file.read_text())
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, f"child {child_pid} outlived the wrapper"
+        time.sleep(0.05)
