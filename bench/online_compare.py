@@ -47,6 +47,7 @@ import torch
 import yaml
 
 from lightning_spec import stats
+from lightning_spec.serving.online import served_totals
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -170,11 +171,9 @@ def _served(requests: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> dic
     """Served and net tokens/s of a live run as ratios of sums: every live request's tokens over
     its decoding seconds, and over those plus the rounds' update seconds (a frozen run's two are
     equal). None for a replayed run, whose seconds are not serving seconds."""
-    live = [r for r in requests if r.get("tokens_per_s") and r.get("seconds")]
-    if not live:
+    tokens, seconds = served_totals(requests)
+    if not seconds:
         return {"tokens_per_s": None, "net_tokens_per_s": None}
-    tokens = sum(r["tokens"] for r in live)
-    seconds = sum(r["seconds"] for r in live)
     updates = sum(r.get("update_seconds", 0.0) for r in rounds)
     return {"tokens_per_s": tokens / seconds, "net_tokens_per_s": tokens / (seconds + updates)}
 

@@ -46,9 +46,9 @@ from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.objectives import losses
 from lightning_spec.objectives.online_loss import (
     draft_vocab_miss,
+    epoch_minibatches,
     feedback_batch,
     kept_label_rows,
-    minibatches,
     online_loss,
     pair_logprobs,
     rejection_batch,
@@ -192,13 +192,9 @@ class OGDStrategy:
             return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
         miss = draft_vocab_miss(self.drafter, batch) if batch is not None else float("nan")
         if self.epochs > 0:
-            # the served drafter's loss is a diagnostic (regret), not learning: a frozen drafter
-            # computes it too, uncharged, so its time is logged apart from update_seconds
-            before = time.perf_counter()
-            served = self._served_loss(batch)  # of the drafter that served, before any swap
-            diagnostic = time.perf_counter() - before
+            served = timed_served_loss(self.drafter, batch, self.ttt_steps)  # before any swap
             swapped = self._grow(generations)
-            return self._epochs(served, tic + diagnostic, miss, swapped, diagnostic)
+            return self._epochs(served, tic, miss, swapped)
         self._grow(generations)
         self.drafter.train()
         served_loss = float("nan")
@@ -226,22 +222,15 @@ class OGDStrategy:
     def _report(
         self, served_loss: float, labels: int, tic: float, miss: float, **extra: float
     ) -> dict[str, float]:
+        """The round's log; ``diagnostic_seconds`` in `extra` are not charged to the update."""
         return {
             "online_loss": served_loss,
-            "update_seconds": time.perf_counter() - tic,
+            "update_seconds": time.perf_counter() - tic - extra.get("diagnostic_seconds", 0.0),
             "labels": float(labels),
             "buffer_rounds": float(len(self.buffer)),
             "draft_vocab_miss": miss,
             **extra,
         }
-
-    def _served_loss(self, batch: dict[str, Tensor] | None) -> tuple[float, int]:
-        """(loss, labels) of the drafter as it served `batch` (NaN, 0 without a batch)."""
-        if batch is None:
-            return float("nan"), 0
-        with torch.no_grad():
-            loss, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
-        return float(loss), labels
 
     def _grow(self, generations: Sequence[Generation]) -> int:
         """With ``vocab_swap``: count the round's tokens and swap draft slots (`VocabGrowth`)."""
@@ -250,21 +239,19 @@ class OGDStrategy:
         return self.growth.step(self.drafter, generations, self.optimizer)
 
     def _epochs(
-        self, served: tuple[float, int], tic: float, miss: float, swapped: int, diagnostic: float
+        self, served: tuple[float, int, float], tic: float, miss: float, swapped: int
     ) -> dict[str, float]:
         """The reference recipe: minibatch epochs over the buffered rounds' sequences
-        (`diagnostic`: the seconds the served loss took, reported beside the update's)."""
-        served_loss, labels = served
+        (`served`: `timed_served_loss` of the drafter that served the round)."""
+        served_loss, labels, diagnostic = served
         self.drafter.train()
         steps = 0
-        for _ in range(self.epochs):
-            for held in self.buffer:
-                for part in minibatches(held, self.minibatch, self._shuffle):
-                    loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps)
-                    if count == 0 or not torch.isfinite(loss):
-                        continue  # no label here, or a non-finite part: it changes nothing
-                    self._apply(loss)
-                    steps += 1
+        for part in epoch_minibatches(self.buffer, self.epochs, self.minibatch, self._shuffle):
+            loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps)
+            if count == 0 or not torch.isfinite(loss):
+                continue  # no label here, or a non-finite part: it changes nothing
+            self._apply(loss)
+            steps += 1
         self.drafter.eval()
         extra = {"optimizer_steps": float(steps), "diagnostic_seconds": diagnostic}
         if self.growth is not None:
@@ -286,6 +273,22 @@ class OGDStrategy:
             self._shuffle.set_state(state["shuffle"])
         if self.growth is not None and "vocab_growth" in state:
             self.growth.load_state_dict(state["vocab_growth"])
+
+
+def timed_served_loss(
+    drafter: Drafter, batch: dict[str, Tensor] | None, ttt_steps: int
+) -> tuple[float, int, float]:
+    """(loss, labels, seconds) of the drafter as it served `batch` (NaN, 0, 0 without one).
+
+    The served loss is a diagnostic (the quantity dynamic regret is measured on), not learning:
+    a frozen drafter computes it too, uncharged, so its seconds are logged apart from the update's.
+    """
+    if batch is None:
+        return float("nan"), 0, 0.0
+    tic = time.perf_counter()
+    with torch.no_grad():
+        loss, labels = online_loss(drafter, batch, ttt_steps=ttt_steps)
+    return float(loss), labels, time.perf_counter() - tic
 
 
 def _trainable(drafter: Drafter) -> list[Tensor]:
@@ -357,17 +360,14 @@ class OptimisticStrategy:
                 self._step(grads)
             return {"online_loss": loss, "update_seconds": time.perf_counter() - tic,
                     "labels": float(labels)}  # fmt: skip
-        with torch.no_grad():  # the served drafter's loss: a diagnostic, timed apart
-            served, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
-        diagnostic = time.perf_counter() - tic
+        served, labels, diagnostic = timed_served_loss(self.drafter, batch, self.ttt_steps)
         steps = 0
-        for _ in range(self.epochs):
-            for part in minibatches(batch, self.minibatch, self._shuffle):
-                _, count, grads = _round_gradient(self.drafter, part, self.ttt_steps, self.grad_clip)
-                if count and grads is not None:
-                    self._step(grads)
-                    steps += 1
-        return {"online_loss": float(served), "labels": float(labels),
+        for part in epoch_minibatches([batch], self.epochs, self.minibatch, self._shuffle):
+            _, count, grads = _round_gradient(self.drafter, part, self.ttt_steps, self.grad_clip)
+            if count and grads is not None:
+                self._step(grads)
+                steps += 1
+        return {"online_loss": served, "labels": float(labels),
                 "update_seconds": time.perf_counter() - tic - diagnostic,
                 "diagnostic_seconds": diagnostic, "optimizer_steps": float(steps)}  # fmt: skip
 

@@ -15,7 +15,7 @@ choice there is the committed token at a + k, the hard label at T = 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -28,6 +28,7 @@ from lightning_spec.objectives.sft import _draft_ids, ttt_loss_masks, ttt_unroll
 __all__ = [
     "LABELS",
     "draft_vocab_miss",
+    "epoch_minibatches",
     "feedback_batch",
     "kept_label_rows",
     "minibatches",
@@ -141,6 +142,16 @@ def minibatches(batch: dict[str, Tensor], size: int, generator: torch.Generator)
     """The rows of `batch` in shuffled minibatches of `size` (the last may be smaller)."""
     order = torch.randperm(batch["input_ids"].shape[0], generator=generator)
     return [{k: v[order[i : i + size]] for k, v in batch.items()} for i in range(0, len(order), size)]
+
+
+def epoch_minibatches(
+    batches: Sequence[dict[str, Tensor]], epochs: int, size: int, generator: torch.Generator
+) -> Iterator[dict[str, Tensor]]:
+    """`epochs` passes over `batches`, each batch's rows in fresh shuffled minibatches of `size`
+    (the reference's per-chunk training loop; shuffled lazily, epoch by epoch)."""
+    for _ in range(epochs):
+        for batch in batches:
+            yield from minibatches(batch, size, generator)
 
 
 def _ttt_cross_entropy(

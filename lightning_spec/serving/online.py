@@ -53,6 +53,7 @@ __all__ = [
     "prequential_summary",
     "run_stream",
     "save_feedback",
+    "served_totals",
 ]
 
 CHECKPOINT = "round.pt"
@@ -395,14 +396,20 @@ def matches_greedy(served: Sequence[int], greedy: Sequence[int]) -> bool:
     return list(served[: len(greedy)]) == list(greedy)
 
 
+def served_totals(rows: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """(tokens, seconds) summed over the live requests among `rows`: served tokens/s is their
+    ratio, not a mean of per-request rates (short answers would weigh as much as long ones).
+    A replayed request's seconds are replay time, not serving time, so it is left out."""
+    live = [r for r in rows if r.get("tokens_per_s") and r.get("seconds")]
+    return float(sum(r["tokens"] for r in live)), float(sum(r["seconds"] for r in live))
+
+
 def prequential_summary(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Means over every request served so far (each by the model that existed before it)."""
     taus = [r["tau"] for r in rows if r["tau"] is not None and math.isfinite(r["tau"])]
-    live = [r for r in rows if r.get("tokens_per_s") and r.get("seconds")]  # replayed: no time
-    seconds = sum(r["seconds"] for r in live)
+    tokens, seconds = served_totals(rows)
     return {
         "prequential_tau": sum(taus) / len(taus) if taus else float("nan"),
-        # tokens over seconds, not a mean of per-request rates (short answers would weigh as much)
-        "prequential_tokens_per_s": sum(r["tokens"] for r in live) / seconds if seconds else float("nan"),
+        "prequential_tokens_per_s": tokens / seconds if seconds else float("nan"),
         "served": float(len(rows)),
     }

@@ -16,9 +16,14 @@ from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.online import make_strategy
-from lightning_spec.objectives.online_loss import feedback_batch, online_loss, topk_hits
-from lightning_spec.serving.online import run_stream
+from lightning_spec.objectives.online import make_strategy, timed_served_loss
+from lightning_spec.objectives.online_loss import (
+    epoch_minibatches,
+    feedback_batch,
+    online_loss,
+    topk_hits,
+)
+from lightning_spec.serving.online import prequential_summary, run_stream, served_totals
 from lightning_spec.serving.stream import Request
 from tests.conftest import load_module
 
@@ -584,3 +589,37 @@ def test_updates_beside_serving_are_served_a_round_later_and_resume(
     same(resumed, beside)
     with pytest.raises(ValueError, match="update_beside"):
         serve(beside, "bad", update_beside=True, regret_window=2)
+
+
+def test_epoch_minibatches_visit_every_row_once_an_epoch_in_a_fresh_order() -> None:
+    first = {"input_ids": torch.arange(5).unsqueeze(1)}
+    second = {"input_ids": torch.arange(10, 13).unsqueeze(1)}
+    parts = list(epoch_minibatches([first, second], 2, 2, torch.Generator().manual_seed(0)))
+    assert [p["input_ids"].shape[0] for p in parts] == [2, 2, 1, 2, 1] * 2  # per batch, per epoch
+    rows = [p["input_ids"].flatten().tolist() for p in parts]
+    epochs = [sum(rows[:5], []), sum(rows[5:], [])]
+    assert all(sorted(e) == [0, 1, 2, 3, 4, 10, 11, 12] for e in epochs)
+    assert sum(rows[:3], []) != sum(rows[5:8], [])  # each epoch reshuffles (seed 0)
+    assert list(epoch_minibatches([first], 0, 2, torch.Generator())) == []
+
+
+def test_timed_served_loss_is_the_no_grad_loss_with_its_own_seconds(target: TargetModel) -> None:
+    drafter = HELPERS._drafter(target)
+    batch = feedback_batch(_round(target, drafter))
+    loss, labels, seconds = timed_served_loss(drafter, batch, 2)
+    expected, count = online_loss(drafter, batch, ttt_steps=2)
+    assert loss == pytest.approx(float(expected)) and labels == count > 0 and seconds > 0
+    nan, zero, none = timed_served_loss(drafter, None, 2)
+    assert math.isnan(nan) and zero == 0 and none == 0.0
+
+
+def test_served_totals_sum_live_requests_only() -> None:
+    rows = [
+        {"tau": 2.0, "tokens": 10, "seconds": 1.0, "tokens_per_s": 10.0},
+        {"tau": 3.0, "tokens": 30, "seconds": 0.5, "tokens_per_s": 60.0},
+        {"tau": 4.0, "tokens": 50, "seconds": 9.0, "tokens_per_s": None},  # replayed: no time
+    ]
+    assert served_totals(rows) == (40.0, 1.5)
+    summary = prequential_summary(rows)
+    assert summary["prequential_tokens_per_s"] == pytest.approx(40 / 1.5)  # not the mean rate 35
+    assert summary["prequential_tau"] == 3.0
