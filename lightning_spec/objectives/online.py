@@ -106,9 +106,9 @@ class FrozenStrategy:
         batch = feedback_batch(generations)
         if batch is None:
             return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
-        with torch.no_grad():
-            loss, labels = online_loss(self.drafter, batch, ttt_steps=self.ttt_steps)
-        return {"online_loss": float(loss), "update_seconds": 0.0, "labels": float(labels)}
+        loss, labels, diagnostic = timed_served_loss(self.drafter, batch, self.ttt_steps)
+        return {"online_loss": loss, "update_seconds": 0.0, "labels": float(labels),
+                "diagnostic_seconds": diagnostic}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -463,8 +463,9 @@ class EnsembleStrategy:
         if batch is None:
             return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
         tic = time.perf_counter()
-        with torch.no_grad():
-            served, labels = online_loss(self.drafter, batch, ttt_steps=self.learners[0].ttt_steps)
+        # the served average's loss is a diagnostic; the learners' own losses (the weights'
+        # input) are part of the update and charged
+        served, labels, diagnostic = timed_served_loss(self.drafter, batch, self.learners[0].ttt_steps)
         losses_now = torch.tensor(
             [learner.update(generations)["online_loss"] for learner in self.learners],
             dtype=torch.float64,
@@ -480,8 +481,9 @@ class EnsembleStrategy:
                 for learner in self.learners:
                     for mine, mean in zip(_trainable(learner.drafter), _trainable(self.drafter), strict=True):
                         mine.copy_(mean)
-        metrics = {"online_loss": float(served), "update_seconds": time.perf_counter() - tic,
-                   "labels": float(labels)}  # fmt: skip
+        metrics = {"online_loss": served, "labels": float(labels),
+                   "update_seconds": time.perf_counter() - tic - diagnostic,
+                   "diagnostic_seconds": diagnostic}  # fmt: skip
         for index, weight in enumerate(self.weights().tolist()):
             metrics[f"weight_{index}"] = weight
         return metrics

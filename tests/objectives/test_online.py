@@ -152,6 +152,8 @@ def test_ensemble_serves_the_hedge_weighted_average(target: TargetModel) -> None
     generations = _round(target, drafter)
     ensemble = make_strategy("ensemble", drafter, lr=1e-3, learners=3, ratio=4.0, epsilon=0.5)
     metrics = ensemble.update(generations)
+    # the served average's loss is timed apart; the learners' updates are charged
+    assert metrics["diagnostic_seconds"] > 0 and metrics["update_seconds"] > 0
     weights = ensemble.weights()
     assert float(weights.sum()) == pytest.approx(1.0)
     assert [metrics[f"weight_{i}"] for i in range(3)] == pytest.approx(weights.tolist())
