@@ -23,7 +23,9 @@ Strategies share one interface (`OnlineStrategy`): `drafter` is what the next ro
   the persistent-momentum SGD the authors' code uses instead.
 * `EnsembleStrategy`: base learners (OGD) on a geometric grid of learning rates; the served
   drafter is their parameter average under Hedge weights, p_i ~ exp(-epsilon * cumulative loss_i)
-  (``weighting: hedge``) or softmax(-last loss_i / temperature) (``weighting: softmax``).
+  (``weighting: hedge``, the loss of each learner on the round before it learns from it) or
+  softmax(-train loss_i / temperature) (``weighting: softmax``, each learner's mean training
+  loss over the round, as the reference's trainer reports it; temperature 0.2 as its script).
 * `OSDStrategy`: the OSD baseline (online speculative decoding): distil the target only at the
   positions where the drafter's drafts were rejected, from a buffer of the last rounds.
 * `DPOStrategy`: preference pairs at every tried-and-rejected draft (prefix = the committed
@@ -197,7 +199,7 @@ class OGDStrategy:
             return self._epochs(served, tic, miss, swapped)
         self._grow(generations)
         self.drafter.train()
-        served_loss = float("nan")
+        served_loss, trained = float("nan"), float("nan")
         labels = 0
         for step in range(self.steps_per_round):
             total = torch.zeros(())
@@ -209,8 +211,9 @@ class OGDStrategy:
             if not torch.isfinite(total):
                 break  # a non-finite round changes nothing (logged by the caller as NaN)
             self._apply(total)
+            trained = float(total.detach())
         self.drafter.eval()
-        return self._report(served_loss, labels, tic, miss)
+        return self._report(served_loss, labels, tic, miss, train_loss=trained)
 
     def _apply(self, loss: Tensor) -> None:
         """One optimizer step on `loss`, its gradient clipped."""
@@ -245,15 +248,19 @@ class OGDStrategy:
         (`served`: `timed_served_loss` of the drafter that served the round)."""
         served_loss, labels, diagnostic = served
         self.drafter.train()
-        steps = 0
+        steps, trained = 0, 0.0
         for part in epoch_minibatches(self.buffer, self.epochs, self.minibatch, self._shuffle):
             loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps)
             if count == 0 or not torch.isfinite(loss):
                 continue  # no label here, or a non-finite part: it changes nothing
             self._apply(loss)
             steps += 1
+            trained += float(loss.detach())
         self.drafter.eval()
-        extra = {"optimizer_steps": float(steps), "diagnostic_seconds": diagnostic}
+        # `train_loss`: the mean minibatch loss over the round's epochs (the reference trainer's
+        # `total_loss`, which `pipeline_hedge` weighs its learners by)
+        extra = {"optimizer_steps": float(steps), "diagnostic_seconds": diagnostic,
+                 "train_loss": trained / steps if steps else float("nan")}  # fmt: skip
         if self.growth is not None:
             extra["vocab_swapped"] = float(swapped)
         return self._report(served_loss, labels, tic, miss, **extra)
@@ -411,7 +418,7 @@ class EnsembleStrategy:
         ratio: float = 2.0,
         epsilon: float = 0.2,
         weighting: str = "hedge",
-        temperature: float = 1.0,
+        temperature: float = 0.2,
         steps_per_round: int = 1,
         ttt_steps: int = 2,
         grad_clip: float = 0.5,
@@ -435,6 +442,11 @@ class EnsembleStrategy:
         ]  # fmt: skip
         # `pipeline_hedge`: every learner restarts from the weighted average each round
         self.restart = bool(restart)
+        # Hedge (`pipeline_ens`) scores each learner by its loss on the round before learning
+        # from it, f_t(w_i^t); softmax (`pipeline_hedge`) by its training loss over the round, as
+        # the reference does: with `restart` every learner serves the same average, so the
+        # losses before learning are all equal and could not tell the learners apart
+        self.signal = "online_loss" if weighting == "hedge" else "train_loss"
         self.rates = [lr * ratio**i for i in range(learners)]
         self.epsilon, self.weighting, self.temperature = float(epsilon), weighting, temperature
         self.cumulative = torch.zeros(learners, dtype=torch.float64)
@@ -466,26 +478,29 @@ class EnsembleStrategy:
         # the served average's loss is a diagnostic; the learners' own losses (the weights'
         # input) are part of the update and charged
         served, labels, diagnostic = timed_served_loss(self.drafter, batch, self.learners[0].ttt_steps)
-        losses_now = torch.tensor(
-            [learner.update(generations)["online_loss"] for learner in self.learners],
-            dtype=torch.float64,
-        )
+        results = [learner.update(generations) for learner in self.learners]
+        losses_now = torch.tensor([r[self.signal] for r in results], dtype=torch.float64)
+        if self.signal == "train_loss":  # the learners' served losses are not the weights' input
+            diagnostic += sum(r.get("diagnostic_seconds", 0.0) for r in results)
         finite = torch.isfinite(losses_now)
         losses_now = torch.where(finite, losses_now, losses_now[finite].max() if finite.any()
                                  else torch.zeros_like(losses_now))  # fmt: skip
         self.cumulative += losses_now
         self.last = losses_now
         self._average()
-        if self.restart:
+        if self.restart:  # and with a fresh optimizer: the reference's learners start each
+            # round's trainer from the merged weights alone (no optimizer.pt beside them)
             with torch.no_grad():
                 for learner in self.learners:
                     for mine, mean in zip(_trainable(learner.drafter), _trainable(self.drafter), strict=True):
                         mine.copy_(mean)
+                    learner.optimizer.state.clear()
         metrics = {"online_loss": served, "labels": float(labels),
                    "update_seconds": time.perf_counter() - tic - diagnostic,
                    "diagnostic_seconds": diagnostic}  # fmt: skip
         for index, weight in enumerate(self.weights().tolist()):
             metrics[f"weight_{index}"] = weight
+            metrics[f"learner_loss_{index}"] = float(losses_now[index])
         return metrics
 
     def state_dict(self) -> dict[str, Any]:

@@ -403,6 +403,27 @@ def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None
     for learner in ensemble.learners:
         for mine, mean in zip(learner.drafter.parameters(), ensemble.drafter.parameters(), strict=True):
             assert torch.equal(mine, mean)
+        assert not learner.optimizer.state  # each round's learners start a fresh optimizer
+
+
+def test_pipeline_hedge_weighs_restarted_learners_by_their_training_loss(target: TargetModel) -> None:
+    """Restarted from one average, every learner serves the same drafter, so their losses before
+    learning are equal; `pipeline_hedge` tells them apart by each one's mean training loss."""
+    drafter = HELPERS._drafter(target)
+    generations = [_round(target, drafter, 3)[i] for i in range(3)]
+    ensemble = make_strategy("ensemble", drafter, lr=1e-4, learners=3, ratio=8.0, restart=True,
+                             weighting="softmax", epochs=2, minibatch=1)  # fmt: skip
+    metrics = ensemble.update(generations)
+    losses = torch.tensor([metrics[f"learner_loss_{i}"] for i in range(3)], dtype=torch.float64)
+    assert torch.isfinite(losses).all() and len(set(losses.tolist())) == 3
+    assert ensemble.temperature == 0.2  # the reference script's softmax temperature
+    expected = torch.softmax(-losses / 0.2, dim=0)
+    weights = torch.tensor([metrics[f"weight_{i}"] for i in range(3)], dtype=torch.float64)
+    torch.testing.assert_close(weights, expected)
+    assert float(weights.max() - weights.min()) > 0  # no longer uniform
+    # a learner's train_loss is the mean loss of its minibatches over the round's epochs
+    single = make_strategy("ogd", drafter, lr=1e-4, epochs=2, minibatch=1).update(generations)
+    assert math.isfinite(single["train_loss"]) and single["optimizer_steps"] > 0
 
 
 def test_the_hindsight_ceiling_fits_on_the_head_and_scores_the_tail(
