@@ -477,7 +477,8 @@ class EnsembleStrategy:
         tic = time.perf_counter()
         # the served average's loss is a diagnostic; the learners' own losses (the weights'
         # input) are part of the update and charged
-        served, labels, diagnostic = timed_served_loss(self.drafter, batch, self.learners[0].ttt_steps)
+        ttt = self.learners[0].ttt_steps
+        served, labels, diagnostic = timed_served_loss(self.drafter, batch, ttt)
         results = [learner.update(generations) for learner in self.learners]
         losses_now = torch.tensor([r[self.signal] for r in results], dtype=torch.float64)
         if self.signal == "train_loss":  # the learners' served losses are not the weights' input

@@ -406,7 +406,7 @@ def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None
         assert not learner.optimizer.state  # each round's learners start a fresh optimizer
 
 
-def test_pipeline_hedge_weighs_restarted_learners_by_their_training_loss(target: TargetModel) -> None:
+def test_pipeline_hedge_weighs_restarted_learners_by_training_loss(target: TargetModel) -> None:
     """Restarted from one average, every learner serves the same drafter, so their losses before
     learning are equal; `pipeline_hedge` tells them apart by each one's mean training loss."""
     drafter = HELPERS._drafter(target)
