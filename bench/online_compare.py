@@ -104,12 +104,38 @@ def _net_gain(
             "est_live_net_gain_ci": stats.bootstrap_ci(columns, gain)}  # fmt: skip
 
 
-def summarize(out: Path, strategies: list[str], step: float | None = None) -> dict[str, Any]:
+def first_requests(
+    requests: list[dict[str, Any]], rounds: list[dict[str, Any]], count: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The first `count` requests of a run in stream order and the rounds that served them, a
+    round cut short keeping its update seconds in proportion to the requests kept: runs stopped
+    at different points (or served in rounds of different sizes) compared on the same prefix."""
+    kept = sorted(requests, key=lambda r: r["request"])[:count]
+    per_round: dict[int, int] = {}
+    for row in kept:
+        per_round[row["round"]] = per_round.get(row["round"], 0) + 1
+    cut = []
+    for row in rounds:
+        served = per_round.get(row["round"], 0)
+        if not served:
+            continue
+        share = served / max(1.0, float(row.get("requests", served)))
+        scaled = {k: row[k] * share for k in ("update_seconds", "diagnostic_seconds") if k in row}
+        cut.append({**row, **scaled, "requests": served})
+    return kept, cut
+
+
+def summarize(
+    out: Path, strategies: list[str], step: float | None = None, first: int | None = None
+) -> dict[str, Any]:
     """The comparison table from each strategy's request and round logs; with `step` (seconds
     per live verification step, `live_step_seconds`) also the live tokens/s each replayed run
-    stands for."""
+    stands for; with `first`, on every run's first that many requests only."""
     requests = {s: _rows(out / s / "requests.jsonl") for s in strategies}
     rounds = {s: _rows(out / s / "rounds.jsonl") for s in strategies}
+    if first is not None:
+        for s in strategies:
+            requests[s], rounds[s] = first_requests(requests[s], rounds[s], first)
     table: dict[str, Any] = {}
     base = {r["request"]: r["tau"] for r in requests.get("frozen", [])}
     for name in strategies:
@@ -262,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
                         "seconds into estimated live served and net tokens/s")  # fmt: skip
     parser.add_argument("--table-only", action="store_true",
                         help="serve nothing: the table of the runs already in --out")
+    parser.add_argument("--first-requests", type=int, default=None, metavar="N",
+                        help="the table on every run's first N requests in stream order (runs "
+                        "stopped at different rounds compared on the same requests)")
     args = parser.parse_args(argv)
     if args.figure:
         try:
@@ -275,8 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         step = live_step_seconds(args.live_steps_from) if args.live_steps_from else None
     except (OSError, ValueError) as error:
         parser.error(str(error))
+    if args.first_requests is not None and args.first_requests < 1:
+        parser.error("--first-requests must be >= 1")
     if args.table_only:
-        return _write_table(args.out, strategies, step)
+        return _write_table(args.out, strategies, step, args.first_requests)
     if args.config is None:
         parser.error("--config is required (unless --figure or --table-only)")
     try:
@@ -307,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0:
             print(f"{name}: online exited {code}", file=sys.stderr)
             return code
-    return _write_table(args.out, strategies, step)
+    return _write_table(args.out, strategies, step, args.first_requests)
 
 
 def run_child(command: list[str]) -> int:
@@ -339,11 +370,12 @@ def run_child(command: list[str]) -> int:
                 child.wait()
 
 
-def _write_table(out: Path, strategies: list[str], step: float | None) -> int:
-    table = summarize(out, strategies, step)
+def _write_table(out: Path, strategies: list[str], step: float | None, first: int | None) -> int:
+    table = summarize(out, strategies, step, first)
     if step:
         table["live_step_seconds"] = step
-    (out / "summary.json").write_text(json.dumps(table, indent=1))
+    name = "summary.json" if first is None else f"summary_first{first}.json"
+    (out / name).write_text(json.dumps(table, indent=1))
     print(json.dumps(table, indent=1))
     print(f"figure: {plot(out, strategies)}")
     return 0

@@ -142,6 +142,26 @@ def test_replayed_runs_are_priced_at_a_live_runs_step_cost(compare, tmp_path: Pa
         compare.live_step_seconds(folder)
 
 
+def test_runs_stopped_at_different_rounds_compare_on_the_same_first_requests(
+    compare, tmp_path: Path
+) -> None:
+    _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0, 2.0, 2.0], 0.0)
+    _write(tmp_path / "ogd", [2.0, 2.4, 3.0, 3.0], 1.0)  # stopped after 2 rounds
+    requests = compare._rows(tmp_path / "ogd" / "requests.jsonl")
+    rounds = compare._rows(tmp_path / "ogd" / "rounds.jsonl")
+    kept, cut = compare.first_requests(list(reversed(requests)), rounds, 3)
+    assert [r["request"] for r in kept] == [0, 1, 2]  # stream order, not log order
+    kept_rounds = [(r["round"], r["requests"], r["update_seconds"]) for r in cut]
+    assert kept_rounds == [(0, 2, 1.0), (1, 1, 0.5)]  # the cut round keeps half its update
+    table = compare.summarize(tmp_path, ["frozen", "ogd"], first=3)
+    assert table["frozen"]["requests"] == table["ogd"]["requests"] == 3
+    assert table["ogd"]["prequential_tau"] == pytest.approx(7.4 / 3)
+    assert table["ogd"]["net_tokens_per_s"] == pytest.approx(30 / (1.5 + 1.5))  # 1 + 0.5 s charged
+    assert compare.main(["--out", str(tmp_path), "--strategies", "frozen,ogd", "--table-only",
+                         "--first-requests", "3"]) == 0  # fmt: skip
+    assert json.loads((tmp_path / "summary_first3.json").read_text())["ogd"]["requests"] == 3
+
+
 def test_killing_the_wrapper_takes_its_strategy_child_down(tmp_path: Path) -> None:
     """SIGTERM to online_compare must not orphan the `lightning-spec online` it started."""
     import os
