@@ -31,6 +31,10 @@ Strategies share one interface (`OnlineStrategy`): `drafter` is what the next ro
 * `DPOStrategy`: preference pairs at every tried-and-rejected draft (prefix = the committed
   sequence before its slot; chosen = the target's token there, rejected = the draft), trained
   with the DPO loss against the drafter as it was at the start of the round (beta = 0.1).
+
+Why one file (~650 lines): the strategies are one family behind one protocol, compared row by
+row in one table (BENCHMARKS 29); their shared pieces (the round's gradient, the served loss)
+sit beside them, the loss itself in `online_loss.py` and the serving loop in `serving/`.
 """
 
 from __future__ import annotations
