@@ -79,6 +79,20 @@ def test_the_guide_shows_commands_from_every_page_kind() -> None:
     assert len(COMMANDS) >= 20
 
 
+def _tables(text: str, link_prefix: str = "") -> list[str]:
+    """The table rows of a page, with `link_prefix` taken off its relative links."""
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    return [row.replace(f"]({link_prefix}", "](") for row in rows] if link_prefix else rows
+
+
+def test_the_guide_front_page_shows_the_readme_tables() -> None:
+    """docs/index.md repeats the README's offer and task tables for the site; the two must not
+    drift apart (a status measured later goes into both)."""
+    readme = _tables((ROOT / "README.md").read_text(encoding="utf-8"), link_prefix="docs/")
+    index = _tables((ROOT / "docs" / "index.md").read_text(encoding="utf-8"))
+    assert readme and index == readme
+
+
 def _parse_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make argparse and LightningCLI stop right after a successful parse."""
     real = argparse.ArgumentParser.parse_args
