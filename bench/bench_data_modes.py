@@ -13,7 +13,7 @@ batched regeneration tokens/s of the target at several batch sizes instead.
         --max-new-tokens 64 --threads 2
 
 Timings on a shared machine are unstable: pin ``--threads``, check the load average (printed),
-and compare ratios measured in one run (MEASURING.md).
+and compare ratios measured in one run (docs/benchmarking.md).
 """
 
 from __future__ import annotations

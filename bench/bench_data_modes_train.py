@@ -7,7 +7,7 @@ token), or a mixture of both? Every mode gets the same wall-clock budget *includ
 preparation (`RunBudget`, which also fits the learning-rate schedule to the deadline), starts
 from an empty rollout cache of its own (so nobody reuses anyone's features), and trains the same
 objective from `configs/quickstart.yaml`. Then one interleaved `lightning-spec bench` measures
-every drafter on the same prompts (MEASURING.md: ratios from one run).
+every drafter on the same prompts (docs/benchmarking.md: ratios from one run).
 
     python bench/bench_data_modes_train.py --minutes 10 \\
         --conversations dataset=300 regenerated=100 mixture=70 \\

@@ -1,7 +1,7 @@
 """Acceptance evaluation at validation end: decode held-out prompts with the current drafter.
 
 The number that matters for a drafter is tau, measured by the same `SpeculativeDecoder` that
-serves it (ARCHITECTURE.md), not a proxy loss. After each validation pass (every `every_n_val`
+serves it (docs/architecture.md), not a proxy loss. After each validation pass (every `every_n_val`
 passes, never during the sanity check) this callback decodes held-out prompts and logs
 
 * `val/tau`: committed tokens per target verification (accepted drafts + 1), pooled over steps;
@@ -12,7 +12,7 @@ passes, never during the sanity check) this callback decodes held-out prompts an
 Prompts come from `trainer.datamodule.eval_prompts(n)` (token-id lists) or the `prompts` init
 argument. Under DDP each rank decodes its share of the prompts and the metrics are summed over
 ranks, so every rank logs the same values. With only 20 prompts this is a smoke signal, not a
-benchmark (MEASURING.md): `bench` reports intervals.
+benchmark (docs/benchmarking.md): `bench` reports intervals.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Static check that an ONNX graph only uses what TensorRT's ONNX parser accepts.
 
-TensorRT cannot be installed here (STACK.md), so CI cannot simply try to parse our graphs. This
+TensorRT cannot be installed without an NVIDIA GPU, so CI cannot simply try to parse our graphs. This
 module checks each graph against TensorRT's published support matrix instead:
 
 * every operator is in the parser's supported list, from the default ONNX domain (a custom
@@ -94,7 +94,7 @@ def _parse_table(table: str) -> dict[str, frozenset[str]]:
 #: operator -> data types TensorRT's ONNX parser accepts for its data input.
 SUPPORTED_OPS: dict[str, frozenset[str]] = _parse_table(_SUPPORT_TABLE)
 
-#: Operators whose output shape depends on input values: avoided by policy (STACK.md) even where
+#: Operators whose output shape depends on input values: avoided by policy even where
 #: TensorRT accepts them, because they need data-dependent allocation at run time.
 DATA_DEPENDENT_OPS = {
     "NonZero": "output length = number of non-zero entries",

@@ -6,7 +6,7 @@ work unchanged).
 
 * tau = tokens committed per target verification (accepted drafts + the bonus/correction
   token), pooled over verification steps: sum of committed tokens / number of steps, the
-  convention of EAGLE, GTO and Draft-OPD (MEASURING.md). A step whose output was cut by EOS or
+  convention of EAGLE, GTO and Draft-OPD (docs/benchmarking.md). A step whose output was cut by EOS or
   the token limit counts the tokens it actually committed, as `Generation.tau` does.
 * alpha_j = P(draft at depth j accepted | drafts 1 .. j-1 accepted). A step *attempts* depth j
   when its accepted path reached depth j - 1 AND the tree has at least one child of that

@@ -1,11 +1,11 @@
 """Plain statistics for benchmark tables: bootstrap intervals, medians, pooled rates.
 
 Benchmarks report numbers over a few dozen prompts on a shared machine, so every headline figure
-comes with a 95% percentile-bootstrap interval over prompts (MEASURING.md): resample the prompts
+comes with a 95% percentile-bootstrap interval over prompts (docs/benchmarking.md): resample the prompts
 with replacement, recompute the statistic, take the 2.5% and 97.5% quantiles. Resampling whole
 prompts (not steps) keeps the dependence between the steps of one answer inside each resample.
 
-tau and per-depth acceptance are defined once, in `lightning_spec.metrics` (MEASURING.md: tau
+tau and per-depth acceptance are defined once, in `lightning_spec.metrics` (docs/benchmarking.md: tau
 = tokens committed per target verification = accepted drafts + 1, pooled over steps; alpha_j =
 P(draft j accepted | drafts 1..j-1 accepted), counting only depths the tree offered on the
 accepted path); `tau_from_records`, `per_depth_acceptance` and `alpha_from_records` are

@@ -93,6 +93,27 @@ def test_the_guide_front_page_shows_the_readme_tables() -> None:
     assert readme and index == readme
 
 
+OUTSIDE_NOTES = ("ARCHITECTURE.md", "ALGORITHMS.md", "METHOD-REVIEWS.md", "MEASURING.md",
+                 "STACK.md", "ASSETS.md", "STYLE.md", "shared/design")
+
+
+def test_the_project_points_only_to_its_own_pages() -> None:
+    """A newcomer has the repository, not the design notes it grew from: docstrings, configs and
+    pages point to `docs/` (`docs/architecture.md`, the method pages, `docs/benchmarking.md`)."""
+    found = []
+    for folder in ("lightning_spec", "callbacks", "export", "kernels", "configs", "bench",
+                   "scripts", "tests", "docs"):  # fmt: skip
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix not in {".py", ".md", ".yaml", ".sh"} or path == Path(__file__):
+                continue
+            text = path.read_text(encoding="utf-8", errors="replace")
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in OUTSIDE_NOTES if n in text]
+    for page in ("README.md", "BENCHMARKS.md"):
+        text = (ROOT / page).read_text(encoding="utf-8")
+        found += [f"{page}: {n}" for n in OUTSIDE_NOTES if n in text]
+    assert not found, found
+
+
 def _parse_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make argparse and LightningCLI stop right after a successful parse."""
     real = argparse.ArgumentParser.parse_args

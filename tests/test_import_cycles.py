@@ -6,7 +6,7 @@ export/, kernels/) becomes an edge, wherever it sits (module level, inside a fun
 `try`). Only `if TYPE_CHECKING:` blocks are skipped: they never run. An import of a name from a
 package points at the submodule when the name is one (`from lightning_spec import bench` ->
 `lightning_spec.bench`), else at the package itself. A lazy import hides a cycle from Python,
-not from the design (ARCHITECTURE.md, "Dependency direction"), so it counts.
+not from the design (docs/architecture.md, "The floors"), so it counts.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 On a GPU verifying 60 tokens costs about as much as verifying one, so big EAGLE-2 trees win; on
 a CPU the target forward is compute-bound and grows with the number of verified tokens
-(STACK.md: SmolLM2 on 2 cores, 56 ms for 1 token, 217 ms for 64), so small trees or short chains
+(SmolLM2 on 2 cores: 56 ms for 1 token, 217 ms for 64), so small trees or short chains
 win. Instead of guessing, calibrate:
 
 1. `measure_verify_cost`: median time of one target forward of N new tokens (chain tree mask,

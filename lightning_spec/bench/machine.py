@@ -1,6 +1,6 @@
 """The machine a measurement ran on: cores, threads, versions, load average, git commit.
 
-MEASURING.md asks every published number to carry its context and to be taken on an idle
+The project asks every published number to carry its context and to be taken on an idle
 machine: `machine_info` records the context (and whether another job was running, `busy`),
 `warn_if_busy` says so loudly, `git_commit` names the code that was measured.
 """
@@ -36,7 +36,7 @@ def _cores() -> int:
 def machine_info(dtype: str = "fp32") -> dict[str, Any]:
     """Cores, threads, dtype, versions and the load average *before* the run starts.
 
-    `busy` follows MEASURING.md: the 1-minute load, less one runnable task for this process,
+    `busy` follows docs/benchmarking.md: the 1-minute load, less one runnable task for this process,
     above half the cores means another job shares the CPU and timings will be noisy.
     """
     import transformers
@@ -70,7 +70,7 @@ def warn_if_busy(machine: dict[str, Any]) -> bool:
     print(
         f"{bar}\nWARNING: 1-minute load average {load:.2f} on {machine['cores']} cores: another "
         f"job is using this machine (threshold: {machine['load_threshold']:.1f} beyond this "
-        "process).\nWall-clock numbers from this run are NOT publishable (MEASURING.md); ratios "
+        "process).\nWall-clock numbers from this run are NOT publishable (docs/benchmarking.md); ratios "
         f"are still interleaved, but expect noise. Recorded in the JSON as machine.busy.\n{bar}",
         file=sys.stderr,
     )

@@ -15,7 +15,7 @@ tokens and temperature:
   prompt, no drafter model), a strong free baseline on inputs that get quoted back;
 * ``speculative``: our `SpeculativeDecoder` with the chosen drafter(s) and tree policy.
 
-Honest-measurement rules from MEASURING.md, enforced here rather than remembered: methods are
+Honest-measurement rules (docs/benchmarking.md), enforced here rather than remembered: methods are
 interleaved per prompt (every method runs on prompt i before any runs on prompt i + 1, and the
 order rotates from prompt to prompt so drift and cache warmth do not favour one method), warm-up
 prompts run first and are discarded, threads are pinned and recorded, the load average is read

@@ -1,7 +1,7 @@
 """`lightning-spec bench`: acceptance length and wall-clock speedup, side by side with baselines.
 
 The command line of `lightning_spec.bench.runner.run_bench` (the methods, the measurement rules
-of MEASURING.md and the meaning of tau are described there); targets, drafters, prompt sets and
+of docs/benchmarking.md and the meaning of tau are described there); targets, drafters, prompt sets and
 trees are resolved by `lightning_spec.specs`. ``--tree auto`` calibrates first
 (`lightning_spec.bench.calibrate`). The markdown table goes to stdout, ``--output`` writes the
 JSON and the table beside it.

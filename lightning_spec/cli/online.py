@@ -6,7 +6,7 @@ tokens per request, the strategy and its options, the output folder), builds the
 (`serving.online`), logs every round to MLflow (`online/*`, SQLite store beside the output
 folder unless MLFLOW_TRACKING_URI says otherwise) and prints the prequential summary. Started
 again with the same output folder, a killed stream resumes at its round. Strategies here:
-`frozen`, `ogd`, `optimistic`, `ensemble`, `osd`, `dpo` (ALGORITHMS.md section 4).
+`frozen`, `ogd`, `optimistic`, `ensemble`, `osd`, `dpo` (docs/methods/onlinespec.md).
 
 `--stream FILE.jsonl` (or ``stream: FILE.jsonl``) serves a JSONL file of prompts whole and in
 file order (``--skip N`` past a warm start's items, ``--limit N``); `data.domain_streams`

@@ -1,6 +1,6 @@
 """``RolloutDataModule``: the training data of every drafter objective, over one record format.
 
-Modes (ARCHITECTURE.md, Data):
+Modes (docs/training.md, data modes):
 
 * ``dataset``: the dataset's own assistant answers, rendered with the target's chat template;
   features and soft labels come from the frozen target inside the training step (or from the

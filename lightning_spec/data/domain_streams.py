@@ -1,7 +1,7 @@
 """Narrow-domain request streams built offline from the Python standard library.
 
 OnlineSpec's published gains come from ONE narrow domain per stream, served in dataset order
-(CodeSearchNet-Python, Spider, GSM8K, finance QA: ALGORITHMS.md section 4): consecutive
+(CodeSearchNet-Python, Spider, GSM8K, finance QA: docs/methods/onlinespec.md): consecutive
 requests share vocabulary, idioms and often a repository, so what the drafter learns from one
 round pays in the next. The standard library is real code with real documentation that every
 machine with Python has, so two such domains can be built here without a download:

@@ -6,7 +6,7 @@ with marginal probability p(c | context): a node v is accepted with probability
 
     E[accepted drafts] = sum_v prod_{u on path(v)} p(u | .)        (tau = 1 + this)
 
-(ALGORITHMS.md "Expected acceptance"). With one-hot p (T = 0) it is the longest prefix match of
+(the EAGLE acceptance rule in expectation). With one-hot p (T = 0) it is the longest prefix match of
 any branch with the target's greedy continuation. GTO (arXiv 2509.22134) scores each root-to-leaf
 branch i by ``L_i = sum_{j <= l_i} prod_{k <= j} p(branch token k)`` and the tree by an
 aggregation of the branch values (log-sum-exp by default).

@@ -1,7 +1,7 @@
 """The speculative decoder: draft a tree, verify it with one target forward, keep what matches.
 
 This one engine produces training rollouts, measures acceptance, serves online updates and
-defines what export must reproduce (ARCHITECTURE.md), so it records every verification step as a
+defines what export must reproduce (docs/architecture.md), so it records every verification step as a
 `StepRecord`: GTO reads the trees and target probabilities, Draft-OPD the anchors and the
 accept/reject split, OnlineSpec the per-round feedback.
 

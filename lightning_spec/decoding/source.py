@@ -4,7 +4,7 @@ Objectives that train on the drafter's own decoding (Draft-OPD, on-policy SFT) n
 made by the *current* drafter under real verification. `RolloutSource` is that seam: the
 built-in `DecoderRolloutSource` runs our `SpeculativeDecoder`; a serving-engine adapter (SGLang,
 vLLM, for 8B-70B targets) can implement the same protocol and nothing else changes, because the
-records are the engine's own `StepRecord`s (ARCHITECTURE.md, Scale). `ReplayingRolloutSource`
+records are the engine's own `StepRecord`s (docs/architecture.md, the one engine and its seams). `ReplayingRolloutSource`
 remembers each prompt's greedy continuation and rebuilds later greedy rollouts of the same prompt
 exactly, for any drafter, without the target's token-by-token loop (`decoding.replay`).
 

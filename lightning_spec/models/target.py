@@ -83,7 +83,7 @@ class TargetOutput:
 def tree_mask_to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Bool mask [B|1, q, k] (True = attend) -> additive float mask [B|1, 1, q, k].
 
-    A bool 4D mask is right for sdpa but wrong for eager attention (STACK.md); the additive
+    A bool 4D mask is right for sdpa but wrong for eager attention; the additive
     float form is read correctly by every attention implementation.
     """
     if mask.dim() == 2:

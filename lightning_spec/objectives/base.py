@@ -1,6 +1,6 @@
 """What every drafter-training objective shares: the LightningModule around its loss step.
 
-An objective (EAGLE SFT, GTO, Draft-OPD, OnlineSpec; ARCHITECTURE.md) trains a drafter against
+An objective (EAGLE SFT, GTO, Draft-OPD, OnlineSpec; docs/architecture.md) trains a drafter against
 a frozen target. Everything except its loss step is the same for all of them, and lives here:
 
 * the frozen target, loaded from a spec string (`models.target.load_target`) or handed in

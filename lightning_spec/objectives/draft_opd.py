@@ -2,7 +2,7 @@
 
 Continued SFT on fixed target text stops raising acceptance: the drafter is trained on states
 the target made and judged on states it made itself. Draft-OPD trains on its own drafts
-(ALGORITHMS.md section 3).
+(docs/methods/draft-opd.md).
 
 The default, ``rejected_stream: suffix``, is the reference's objective (`opd_suffix`): on each
 greedy text of the batch (the regenerated store's cached greedy answers, or greedy rollouts) the

@@ -1,7 +1,7 @@
 """GTO, Group Tree Optimization (arXiv 2509.22134): train the drafter on the tree it decodes with.
 
 Ordinary drafters learn the next greedy token; decoding verifies a whole tree, reranked and
-pruned by the tree policy. GTO optimises the tree itself (ALGORITHMS.md section 2). Per
+pruned by the tree policy. GTO optimises the tree itself (docs/methods/gto.md). Per
 training sequence:
 
 1. K groups of m adjacent prefix positions R (roots whose next token is an assistant token).

@@ -148,7 +148,7 @@ def ttt_total_loss(*, step_losses: Tensor, decay: float) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# 5. GTO (ALGORITHMS.md section 2)
+# 5. GTO (docs/methods/gto.md)
 # --------------------------------------------------------------------------------------------
 
 
@@ -234,7 +234,7 @@ def clipped_surrogate(
 
 
 # --------------------------------------------------------------------------------------------
-# 6. Draft-OPD (ALGORITHMS.md section 3)
+# 6. Draft-OPD (docs/methods/draft-opd.md)
 # --------------------------------------------------------------------------------------------
 # Rows are log-probabilities over ONE vocabulary, the drafter's: `draft_logprobs` [..., V_d] are
 # log q, `target_logprobs` [..., V_d] the target's log p at the same draft ids. Two conventions
@@ -329,7 +329,7 @@ def draft_opd_loss(
 
 
 # --------------------------------------------------------------------------------------------
-# 7. Preferences (ALGORITHMS.md section 4, the Online-LR variant)
+# 7. Preferences (docs/methods/onlinespec.md, the Online-LR variant)
 # --------------------------------------------------------------------------------------------
 
 

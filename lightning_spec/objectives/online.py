@@ -1,6 +1,6 @@
 """OnlineSpec (arXiv 2603.12617): the drafter keeps learning from what it serves.
 
-Serving is online learning in rounds (ALGORITHMS.md section 4): serve a round of requests with
+Serving is online learning in rounds (docs/methods/onlinespec.md): serve a round of requests with
 the current drafter (test first), then update from that round's verification feedback (train
 second). The feedback is free: at T = 0 every committed token is the target's own greedy choice,
 and the decoder already computed the target's features of every committed token

@@ -1,6 +1,6 @@
 """Draft-OPD's blocks as the reference builds them: chains, and the states after the first error.
 
-The reference (ALGORITHMS.md section 3) rolls out a chain drafter with the current weights at
+The reference (docs/methods/draft-opd.md) rolls out a chain drafter with the current weights at
 T = 0. At each verification step (anchor a) the drafter proposes d_1 .. d_K, the target accepts
 the first n and corrects slot n + 1. Its loss reads every drafted slot of the block:
 

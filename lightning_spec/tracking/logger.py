@@ -1,7 +1,7 @@
 """MLflow tracking defaults: a SQLite store beside the run folders, artifacts in a known place.
 
 MLflow 3 refuses its old file store, and an experiment created without `artifact_location`
-puts artifacts relative to the current directory (STACK.md). So by default every run folder
+puts artifacts relative to the current directory. So by default every run folder
 `<root>/<run>` shares `<root>/mlflow.db` (SQLite, absolute path) and `<root>/mlartifacts/`;
 `MLFLOW_TRACKING_URI`, when set, wins (a server then decides where artifacts go). `mlflow`
 itself is imported only when a logger first talks to the store (~5 s import).

@@ -23,7 +23,7 @@ from lightning_spec.export.verify_graph import (
     jump_rounds,
 )
 
-#: STACK.md: pointer jumping needs only these (plus shape plumbing); nothing data-dependent.
+#: Pointer jumping needs only these (plus shape plumbing); nothing data-dependent.
 ALLOWED_OPS = {
     "Gather",
     "ArgMax",

@@ -1,6 +1,6 @@
 """The one interface every drafter offers to training and to the decoder.
 
-Training and inference must run the same code (ARCHITECTURE.md), so a drafter has a single
+Training and inference must run the same code (docs/architecture.md), so a drafter has a single
 incremental `step` over explicit positions and an optional boolean mask; teacher-forced
 `forward` is `step` on a fresh state. Logits come in the drafter's own vocabulary; `to_target`
 maps log-probs onto the target's vocabulary for verification.
