@@ -13,6 +13,13 @@ target and prompt: the two runs must agree on target, tree, max new tokens and p
 one method must be benched in both, and every such method must have made exactly the same tokens
 and acceptance lengths on every prompt (the check that the merge is sound); anything else is
 refused.
+
+`--merge-text OTHER.json` is for a run whose drafters no longer exist (an asset cache lost with
+its machine): no method need be benched in both, and the check is the text itself. At T = 0
+every method of a run decodes the target's greedy text, so the two runs are paired prompt by
+prompt where their greedy tokens are identical; a prompt whose text differs (a near-tie the two
+machines' arithmetic broke differently) is left out of the pairing and counted. `--rename
+OLD=NEW` renames a merged method (two runs that both call their drafter `speculative:drafter`).
 """
 
 from __future__ import annotations
@@ -112,6 +119,55 @@ def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
     return added
 
 
+def _text_of(entry: dict[str, Any]) -> list[int] | None:
+    """The greedy tokens of a T = 0 per-prompt entry (every method's are the same)."""
+    for record in entry["methods"].values():
+        if record.get("tokens") is not None:
+            return list(record["tokens"])
+    return None
+
+
+def merge_text(
+    result: dict[str, Any], other: dict[str, Any], rename: dict[str, str] | None = None
+) -> tuple[list[str], list[str]]:
+    """Add `other`'s methods to `result` in place where both decoded the same greedy text
+    (module docstring); returns (methods added, prompt ids left out because the text differs).
+    Prompts left out lose every method of both runs, so each pair is compared on one set."""
+    for key in _MUST_AGREE:
+        if result["config"].get(key) != other["config"].get(key):
+            raise ValueError(
+                f"cannot merge: {key} differs ({result['config'].get(key)!r} vs "
+                f"{other['config'].get(key)!r})"
+            )
+    if float(result["config"].get("temperature", 1.0)) != 0.0:
+        raise ValueError("cannot merge: only T = 0 runs decode one text per prompt")
+    rename = rename or {}
+    mine = {(e["dataset"], e["id"]): e for e in result["per_prompt"]}
+    theirs = {(e["dataset"], e["id"]): e for e in other["per_prompt"]}
+    if mine.keys() != theirs.keys():
+        raise ValueError("cannot merge: the two runs benched different prompts")
+    added: list[str] = []
+    differs: list[str] = []
+    kept = []
+    for key, entry in mine.items():
+        text = _text_of(entry)
+        if text is None or text != _text_of(theirs[key]):
+            differs.append(key[1])
+            continue
+        for method, record in theirs[key]["methods"].items():
+            name = rename.get(method, method)
+            if name in entry["methods"]:
+                raise ValueError(
+                    f"cannot merge: both runs have {name}; rename one with --rename {name}=NEW"
+                )
+            entry["methods"][name] = record
+            if name not in added:
+                added.append(name)
+        kept.append(entry)
+    result["per_prompt"] = kept
+    return added, differs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("result", type=Path)
@@ -123,13 +179,30 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="another T = 0 bench run on the same prompts (module docstring)",
     )
+    parser.add_argument(
+        "--merge-text",
+        type=Path,
+        action="append",
+        default=[],
+        help="a T = 0 run paired where its greedy text is the same (module docstring)",
+    )
+    parser.add_argument("--rename", action="append", default=[], help="OLD=NEW, merged methods")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     result = json.loads(args.result.read_text())
     for path in args.merge:
         added = merge(result, json.loads(path.read_text()))
         print(f"merged from {path}: {', '.join(added) or 'nothing new'}", file=sys.stderr)
-    report = {}
+    rename = dict(item.split("=", 1) for item in args.rename)
+    report: dict[str, Any] = {}
+    for path in args.merge_text:
+        added, differs = merge_text(result, json.loads(path.read_text()), rename)
+        print(
+            f"merged from {path} on identical greedy text: {', '.join(added) or 'nothing new'}; "
+            f"{len(differs)} prompts left out (text differs)",
+            file=sys.stderr,
+        )
+        report[f"text merge {path.name}"] = {"added": added, "left_out": differs}
     for pair in args.pair:
         a, b = pair.split(",")
         report[f"{a} vs {b}"] = compare(result, a, b)

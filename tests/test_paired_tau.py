@@ -101,3 +101,50 @@ def test_merge_refuses_unsound_pairs(paired) -> None:
     other["per_prompt"][0]["id"] = "mtbench-2"
     with pytest.raises(ValueError, match="different prompts"):
         paired.merge(new, other)
+
+
+def _two_prompts(methods_1: dict, methods_2: dict) -> dict:
+    run = _run(methods_1)
+    second = _run(methods_2)["per_prompt"][0]
+    second["id"] = "mtbench-2"
+    run["per_prompt"].append(second)
+    return run
+
+
+def test_merge_text_pairs_where_the_greedy_text_is_the_same(paired) -> None:
+    """A lost drafter's run pairs on identical text; a prompt whose text differs is left out
+    of both sides, and a name both runs use must be renamed."""
+    new = _two_prompts(
+        {"speculative:drafter": ([1, 2, 3, 4], [2, 0])},
+        {"speculative:drafter": ([5, 6, 7, 8], [1, 1])},
+    )
+    old = _two_prompts(
+        {"speculative:drafter": ([1, 2, 3, 4], [0, 0, 1])},
+        {"speculative:drafter": ([5, 6, 9, 9], [0, 0, 0, 0])},  # a near-tie broke otherwise
+    )
+    with pytest.raises(ValueError, match="rename"):
+        paired.merge_text(json_copy(new), json_copy(old))
+    added, left_out = paired.merge_text(new, old, {"speculative:drafter": "old"})
+    assert added == ["old"] and left_out == ["mtbench-2"]
+    assert [e["id"] for e in new["per_prompt"]] == ["mtbench-1"]
+    report = paired.compare(new, "speculative:drafter", "old", resamples=100)
+    assert report["pooled"]["prompts"] == 1
+    assert report["pooled"]["tau_a"] == pytest.approx(2.0)
+    assert report["pooled"]["tau_b"] == pytest.approx(4 / 3)
+
+
+def test_merge_text_refuses_sampled_or_mismatched_runs(paired) -> None:
+    with pytest.raises(ValueError, match="T = 0"):
+        paired.merge_text(
+            _run({"a": ([1], [0])}, temperature=1.0), _run({"b": ([1], [0])}, temperature=1.0)
+        )
+    other = _run({"b": ([1], [0])})
+    other["config"]["max_new_tokens"] = 8
+    with pytest.raises(ValueError, match="max_new_tokens differs"):
+        paired.merge_text(_run({"a": ([1], [0])}), other)
+
+
+def json_copy(value: dict) -> dict:
+    import json
+
+    return json.loads(json.dumps(value))

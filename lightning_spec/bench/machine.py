@@ -16,7 +16,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["git_commit", "load_average", "machine_info", "warn_if_busy"]
+__all__ = ["cpu_flags", "git_commit", "has_native_bf16", "load_average", "machine_info", "warn_if_busy"]
+
+SIMD_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+"""The /proc/cpuinfo flags that decide which CPU kernels run: the machines differ (Zen 3 has
+avx2 only, Zen 4 adds avx512 and avx512_bf16), and bf16 matmuls are only fast with the last two."""
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags of `SIMD_FLAGS` this CPU has (empty where /proc/cpuinfo is missing)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((row for row in text.splitlines() if row.startswith("flags")), "")
+    have = set(line.split(":", 1)[-1].split())
+    return [flag for flag in SIMD_FLAGS if flag in have]
+
+
+def has_native_bf16() -> bool:
+    """True where bf16 matmuls run natively on this CPU (avx512_bf16 or AMX), not emulated."""
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_flags()))
 
 
 def load_average() -> tuple[float, float, float]:
@@ -52,6 +72,7 @@ def machine_info(dtype: str = "fp32") -> dict[str, Any]:
         "dtype": dtype,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "processor": platform.processor() or platform.machine(),
+        "cpu_flags": cpu_flags(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -364,6 +364,7 @@ class EagleSFT(Objective):
         seed: int = 0,
         feature_norm: bool = False,
         anchor_feature: bool = False,
+        prepack_target: bool = False,
     ) -> None:
         """
         Args:
@@ -412,6 +413,10 @@ class EagleSFT(Objective):
             anchor_feature: A fresh DFlash drafter's anchor slot also reads the target feature
                 paired with its token (f_{R-1} with t_R, as EAGLE fuses them), not only through
                 attention to the context.
+            prepack_target: CPU fp32: prepack the frozen target's linear weights for oneDNN
+                (features within ~1e-6 of the unpacked target's, about twice the feature tokens
+                a second on the CPUs measured; BENCHMARKS.md section 34). Where it cannot run
+                (GPU, bf16) a warning says why and the target runs unpacked.
         """
         if drafter_type not in ("eagle3", "hydra", "dflash"):
             raise ValueError(f"drafter_type must be eagle3, hydra or dflash, got {drafter_type!r}")
@@ -448,6 +453,8 @@ class EagleSFT(Objective):
         )
         self._tokens_seen = 0
         self._anchor_generator = torch.Generator().manual_seed(int(seed))
+        if prepack_target:
+            self.prepack_target()
 
     def build_drafter(self, target: TargetModel, token_counts: Tensor | None = None) -> Drafter:
         """A fresh EAGLE-3 head with a draft vocabulary counted on `vocab_source` (or on
@@ -504,6 +511,7 @@ class EagleSFT(Objective):
         tokens and rebuild the fresh head with it, before the optimizer sees its parameters (a
         resumed run counts the same records and gets the same vocabulary)."""
         super().setup(stage)
+        self._warn_if_emulated_bf16()
         if not getattr(self, "_vocab_pending", False) or stage != "fit":
             return
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -524,6 +532,24 @@ class EagleSFT(Objective):
         drafter.bind_target(self.target)
         self.drafter = drafter.train(self.training)
 
+    def _warn_if_emulated_bf16(self) -> None:
+        """bf16-mixed halves the drafter's step on a CPU with avx512_bf16 or AMX and slows it
+        where bf16 is emulated (AVX2-only CPUs): say so rather than let a run crawl."""
+        trainer = getattr(self, "_trainer", None)
+        if trainer is None or "bf16" not in str(trainer.precision):
+            return
+        if self.device.type != "cpu":
+            return
+        from lightning_spec.bench.machine import cpu_flags, has_native_bf16
+
+        if not has_native_bf16():
+            log.warning(
+                "precision %s on a CPU without avx512_bf16 or AMX (flags: %s): bf16 is emulated "
+                "here and the drafter's step is slower than in fp32; use precision 32-true",
+                trainer.precision,
+                ", ".join(cpu_flags()) or "unknown",
+            )
+
     # ---------------------------------------------------------------------------- steps
     def _target_outputs(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
         """Features [B, T, F] and the target's final hidden states [B, T, H] for the batch.
@@ -535,13 +561,16 @@ class EagleSFT(Objective):
         """
         if "features" in batch and "last_hidden" in batch:
             return batch["features"], batch["last_hidden"]
-        output = self.target(
-            batch["input_ids"],
-            attention_mask=batch.get("attention_mask"),
-            use_cache=False,
-            output_features="features" not in batch,
-            logits_to_keep=1,
-        )
+        # The frozen target runs in its own dtype even under the trainer's bf16-mixed autocast
+        # (which is for the drafter's step): its features stay those of `target_dtype`.
+        with torch.autocast(batch["input_ids"].device.type, enabled=False):
+            output = self.target(
+                batch["input_ids"],
+                attention_mask=batch.get("attention_mask"),
+                use_cache=False,
+                output_features="features" not in batch,
+                logits_to_keep=1,
+            )
         features = batch["features"] if "features" in batch else output.features
         return features, output.last_hidden
 

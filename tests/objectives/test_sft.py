@@ -471,3 +471,33 @@ def test_ddp_spawn_two_ranks_agree_with_one_process(
         assert logged == pytest.approx(value, nan_ok=True)
     tokens_per_step = result["new_tokens"] / result["forwards"]
     assert float(trainer.callback_metrics["val/tokens_per_step"]) == pytest.approx(tokens_per_step)
+
+
+def test_prepacked_target_and_bf16_autocast_keep_the_targets_fp32_features() -> None:
+    """`prepack_target` gives the unpacked target's loss to fp32 noise; under the trainer's
+    bf16 autocast (precision bf16-mixed, for the drafter's step) the frozen target still
+    computes its features in fp32, equal to those computed without autocast."""
+    from lightning_spec.models.packed import is_prepacked, prepack_unavailable_reason
+
+    plain_target = TargetModel.from_config(tiny_config("llama", num_layers=4), seed=1)
+    reason = prepack_unavailable_reason(plain_target.model)
+    if reason is not None:
+        pytest.skip(f"prepacking cannot run here: {reason}")
+    packed_target = TargetModel.from_config(tiny_config("llama", num_layers=4), seed=1)
+    plain_drafter, packed_drafter = _drafter(plain_target), _drafter(packed_target)
+    packed_drafter.load_state_dict(plain_drafter.state_dict())
+    plain = EagleSFT.from_objects(plain_target, plain_drafter, ttt_steps=2)
+    packed = EagleSFT.from_objects(packed_target, packed_drafter, ttt_steps=2, prepack_target=True)
+    assert is_prepacked(packed_target.model) and not is_prepacked(plain_target.model)
+    batch = _batch()
+    torch.testing.assert_close(
+        packed._common_step(batch).loss, plain._common_step(batch).loss, rtol=1e-5, atol=1e-5
+    )
+    reference_features, reference_last = plain._target_outputs(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        features, last = plain._target_outputs(batch)
+        drafter_loss = plain._common_step(batch).loss
+    assert features.dtype == torch.float32 and last.dtype == torch.float32
+    torch.testing.assert_close(features, reference_features)
+    torch.testing.assert_close(last, reference_last)
+    assert torch.isfinite(drafter_loss)
