@@ -25,25 +25,9 @@ from pathlib import Path
 import torch
 
 from lightning_spec.bench.machine import cpu_flags
+from lightning_spec.bench.texts import sharegpt_rows
 from lightning_spec.data.assets import default_target_path
 from lightning_spec.models.target import TargetModel
-
-
-def _texts(tokenizer, count: int, length: int) -> torch.Tensor:
-    """[count, length] token ids of real ShareGPT answers (rendered conversations, cut)."""
-    from lightning_spec.data.sources import load_source
-
-    rows: list[list[int]] = []
-    for conv in load_source("sharegpt", limit=count * 8):
-        text = "\n".join(str(m["content"]) for m in conv.messages)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= length:
-            rows.append(ids[:length])
-        if len(rows) == count:
-            break
-    if len(rows) < count:
-        raise RuntimeError(f"only {len(rows)} ShareGPT texts reach {length} tokens")
-    return torch.tensor(rows)
 
 
 def _load(setting: str, path: Path) -> TargetModel:
@@ -84,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = default_target_path()
     targets = {s: _load(s, path) for s in settings}
     tokenizer = targets[settings[0]].tokenizer
-    ids = _texts(tokenizer, max(batches), args.length)
+    ids = sharegpt_rows(tokenizer, max(batches), args.length)
 
     reference = None
     if "fp32" in settings:

@@ -81,8 +81,12 @@ def compare(result: dict[str, Any], a: str, b: str, resamples: int = 2000) -> di
 _MUST_AGREE = ("target", "tree", "max_new_tokens", "temperature", "dtype", "stop_on_eos")
 
 
-def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
-    """Add `other`'s methods to `result` in place (module docstring); the methods added."""
+Entries = dict[tuple[str, str], dict[str, Any]]
+
+
+def _pairable(result: dict[str, Any], other: dict[str, Any]) -> tuple[Entries, Entries]:
+    """Both runs' per-prompt entries by (dataset, id), once the runs are shown comparable: the
+    same settings (`_MUST_AGREE`), T = 0 and the same prompts; else ValueError saying why."""
     for key in _MUST_AGREE:
         if result["config"].get(key) != other["config"].get(key):
             raise ValueError(
@@ -95,6 +99,12 @@ def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
     theirs = {(e["dataset"], e["id"]): e for e in other["per_prompt"]}
     if mine.keys() != theirs.keys():
         raise ValueError("cannot merge: the two runs benched different prompts")
+    return mine, theirs
+
+
+def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """Add `other`'s methods to `result` in place (module docstring); the methods added."""
+    mine, theirs = _pairable(result, other)
     shared = set(result["config"]["methods"]) & set(other["config"]["methods"])
     if not shared:
         raise ValueError(
@@ -133,19 +143,8 @@ def merge_text(
     """Add `other`'s methods to `result` in place where both decoded the same greedy text
     (module docstring); returns (methods added, prompt ids left out because the text differs).
     Prompts left out lose every method of both runs, so each pair is compared on one set."""
-    for key in _MUST_AGREE:
-        if result["config"].get(key) != other["config"].get(key):
-            raise ValueError(
-                f"cannot merge: {key} differs ({result['config'].get(key)!r} vs "
-                f"{other['config'].get(key)!r})"
-            )
-    if float(result["config"].get("temperature", 1.0)) != 0.0:
-        raise ValueError("cannot merge: only T = 0 runs decode one text per prompt")
+    mine, theirs = _pairable(result, other)
     rename = rename or {}
-    mine = {(e["dataset"], e["id"]): e for e in result["per_prompt"]}
-    theirs = {(e["dataset"], e["id"]): e for e in other["per_prompt"]}
-    if mine.keys() != theirs.keys():
-        raise ValueError("cannot merge: the two runs benched different prompts")
     added: list[str] = []
     differs: list[str] = []
     kept = []

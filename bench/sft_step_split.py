@@ -21,24 +21,13 @@ from pathlib import Path
 import torch
 
 from lightning_spec.bench.machine import machine_info
+from lightning_spec.bench.texts import sharegpt_rows
 from lightning_spec.objectives.sft import EagleSFT
 
 
 def _batch(tokenizer, batch: int, length: int) -> dict[str, torch.Tensor]:
-    """[batch, length] real ShareGPT text (conversations joined, cut), every token a label."""
-    from lightning_spec.data.sources import load_source
-
-    rows: list[list[int]] = []
-    for conversation in load_source("sharegpt", limit=50 * batch):
-        text = "\n".join(str(message["content"]) for message in conversation.messages)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) >= length:
-            rows.append(ids[:length])
-        if len(rows) == batch:
-            break
-    if len(rows) < batch:
-        raise RuntimeError(f"only {len(rows)} ShareGPT texts reach {length} tokens")
-    ids = torch.tensor(rows)
+    """[batch, length] real ShareGPT text, every token a label."""
+    ids = sharegpt_rows(tokenizer, batch, length)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
 
 
