@@ -349,6 +349,7 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
         ("--model.init_args.ttt_steps=0", "ttt_steps"),
         ("--model.init_args.draft_vocab_size=0", "draft_vocab_size"),
         ("--model.init_args.lr=-1", "lr"),
+        ("--model.init_args.mask_token_id=next", "mask_token_id"),
     ],
 )
 def test_out_of_range_values_fail_before_anything_is_prepared(

@@ -48,9 +48,17 @@ def build_draft_vocab(
     order = torch.sort(scores, descending=True, stable=True).indices
     chosen = torch.sort(order[:draft_vocab_size]).values
     d2t = chosen - torch.arange(draft_vocab_size)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[chosen] = True
-    return d2t, t2d
+    return d2t, target_vocab_mask(d2t, vocab_size)
+
+
+def target_vocab_mask(d2t: Tensor, target_vocab_size: int) -> Tensor:
+    """`t2d`: a [V] bool mask of the target ids the draft vocabulary `d2t` holds (all of them when
+    the vocabularies are the same size)."""
+    if d2t.numel() == target_vocab_size:
+        return torch.ones(target_vocab_size, dtype=torch.bool, device=d2t.device)
+    t2d = torch.zeros(target_vocab_size, dtype=torch.bool, device=d2t.device)
+    t2d[draft_to_target_ids(d2t)] = True
+    return t2d
 
 
 def draft_to_target_ids(d2t: Tensor) -> Tensor:

@@ -364,6 +364,7 @@ class EagleSFT(Objective):
         seed: int = 0,
         feature_norm: bool = False,
         anchor_feature: bool = False,
+        mask_token_id: int | str | None = None,
         prepack_target: bool = False,
     ) -> None:
         """
@@ -413,6 +414,10 @@ class EagleSFT(Objective):
             anchor_feature: A fresh DFlash drafter's anchor slot also reads the target feature
                 paired with its token (f_{R-1} with t_R, as EAGLE fuses them), not only through
                 attention to the context.
+            mask_token_id: A fresh DFlash drafter's MASK input: None learns a vector (our
+                layout only); a token id, or "auto" (a padded embedding row, else a spare
+                special token), uses the target's embedding of that token: the layout vLLM and
+                llama.cpp serve (docs/llamacpp.md, docs/vllm.md).
             prepack_target: CPU fp32: prepack the frozen target's linear weights for oneDNN
                 (features within ~1e-6 of the unpacked target's, about twice the feature tokens
                 a second on the CPUs measured; BENCHMARKS.md section 34). Where it cannot run
@@ -437,6 +442,8 @@ class EagleSFT(Objective):
             ("num_layers", num_layers, 1 <= num_layers <= 8),
             ("anchors_per_sequence", anchors_per_sequence, anchors_per_sequence >= 1),
             ("block_gamma", block_gamma, block_gamma is None or block_gamma > 0),
+            ("mask_token_id", mask_token_id, mask_token_id in (None, "auto")
+             or (isinstance(mask_token_id, int) and mask_token_id >= 0)),
         ):
             if not ok:
                 raise ValueError(f"EagleSFT: {field} = {value!r} is out of range")
@@ -486,6 +493,7 @@ class EagleSFT(Objective):
                 token_counts=counts,
                 intermediate_size=hp.intermediate_size,
                 anchor_feature=bool(hp.get("anchor_feature", False)),
+                mask_token_id=hp.get("mask_token_id"),
             )
         if hp.get("drafter_type", "eagle3") == "hydra":
             from lightning_spec.models.drafters.hydra import HydraDrafter

@@ -214,11 +214,15 @@ def register_drafter(cls: type[Drafter]) -> type[Drafter]:
 
 
 def drafter_type_of(config: dict[str, Any]) -> str | None:
-    """A drafter folder config's type: its ``drafter_type``, or ``eagle3`` for an EAGLE-3
-    folder written elsewhere (SGLang/vLLM's architecture name); None when it names neither."""
+    """A drafter folder config's type: its ``drafter_type``, or ``eagle3``/``dflash`` for a
+    folder written elsewhere (the architecture names SGLang, vLLM and the DFlash reference use);
+    None when it names neither."""
     drafter_type = config.get("drafter_type")
-    if drafter_type is None and "LlamaForCausalLMEagle3" in config.get("architectures", []):
+    architectures = config.get("architectures", [])
+    if drafter_type is None and "LlamaForCausalLMEagle3" in architectures:
         drafter_type = "eagle3"
+    if drafter_type is None and "DFlashDraftModel" in architectures:
+        drafter_type = "dflash"
     return drafter_type
 
 

@@ -27,9 +27,14 @@ Layout. Parameter names follow the DFlash reference checkpoints (``layers.{i}.se
 ``q_norm``/``k_norm``, ``layers.{i}.mlp.*``, ``fc``, ``hidden_norm``, ``norm``) and the exported
 config carries ``dflash_config`` (``block_size``, ``target_layer_ids`` in the reference's
 numbering: decoder-layer indices, ours minus one, since ours index HF ``hidden_states`` where 0
-is the embedding output). Two deviations, both recorded in the config: the MASK input is a learned
-vector (``mask_embedding``) instead of a token the target's tokenizer may lack, and the optional
-reduced draft vocabulary (``d2t``/``t2d``). A third only with ``anchor_feature``: ``anchor_fc``
+is the embedding output). The MASK input is, by default, a learned vector (``mask_embedding``),
+which no engine reads; with ``mask_token_id`` it is the frozen target's embedding row of that
+token (the reference's choice: a token the target never says), and the folder is then the
+layout vLLM (``method: dflash``) and llama.cpp (``draft-dflash``) load: an integer
+``dflash_config.mask_token_id``, no ``d2t``/``t2d`` for the full vocabulary, and for a reduced
+draft vocabulary its own ``lm_head.weight`` (the target's rows) beside ``d2t``
+(`engine_layout_problems` says what keeps a drafter out of it). A further deviation, only with
+``anchor_feature`` (no engine has it): ``anchor_fc``
 fuses the anchor's embedding with the projected feature of the entry it was absorbed with
 (f_{R-1} beside t_R, EAGLE's pairing), so the first slot, where a block drafter loses most
 against an EAGLE head, sees the latest context feature in its own residual stream.
@@ -62,9 +67,10 @@ from lightning_spec.models.vocab import (
     draft_to_target_ids,
     draft_to_target_logprobs,
     target_to_draft,
+    target_vocab_mask,
 )
 
-__all__ = ["BlockProposer", "DFlashDrafter", "DFlashState"]
+__all__ = ["BlockProposer", "DFlashDrafter", "DFlashState", "unused_token_id"]
 
 
 @dataclass
@@ -179,7 +185,15 @@ class DFlashDrafter(Drafter):
         eps = float(config.get("rms_norm_eps", 1e-6))
         self.fc = nn.Linear(num_features * int(config["target_hidden_size"]), hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, eps)
-        self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        # learned MASK input, or (``mask_token_id``) the target's own row of that token, shared
+        self.mask_embedding: nn.Parameter | None = None
+        if config.get("mask_token_id") is None:
+            self.mask_embedding = nn.Parameter(torch.zeros(hidden))
+        elif not 0 <= int(config["mask_token_id"]) < vocab:
+            raise ValueError(
+                f"mask_token_id {config['mask_token_id']} is not a token of the target's "
+                f"vocabulary [0, {vocab})"
+            )
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(int(config["num_layers"])))
         self.norm = RMSNorm(hidden, eps)
         # ``anchor_feature``: the anchor slot reads the projected feature paired with its token
@@ -214,6 +228,24 @@ class DFlashDrafter(Drafter):
     def draft_vocab_size(self) -> int:
         return int(self.config["draft_vocab_size"])
 
+    @property
+    def mask_token_id(self) -> int | None:
+        """The token whose (frozen, target) embedding is the MASK input; None: learned."""
+        token = self.config.get("mask_token_id")
+        return None if token is None else int(token)
+
+    def engine_layout_problems(self) -> list[str]:
+        """Why vLLM and llama.cpp cannot serve this drafter's folder (empty: they can)."""
+        problems = []
+        if self.mask_token_id is None:
+            problems.append(
+                "its MASK input is a learned vector, and the engines embed a mask token: train "
+                "with mask_token_id (e.g. 'auto') to get the layout they load"
+            )
+        if self.anchor_fc is not None:
+            problems.append("anchor_feature: no engine has the anchor projection (anchor_fc)")
+        return problems
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_target(
@@ -226,9 +258,14 @@ class DFlashDrafter(Drafter):
         token_counts: Tensor | None = None,
         intermediate_size: int | None = None,
         anchor_feature: bool = False,
+        mask_token_id: int | str | None = None,
         seed: int = 0,
     ) -> DFlashDrafter:
-        """A fresh drafter sized like `target` (a TargetModel), bound to its weights."""
+        """A fresh drafter sized like `target` (a TargetModel), bound to its weights.
+
+        `mask_token_id`: None learns the MASK vector; an id (or ``"auto"``: `unused_token_id`)
+        makes the MASK the target's embedding of that token, the layout engines load.
+        """
         vocab = target.vocab_size
         config = {
             **target_shaped_config(
@@ -239,10 +276,15 @@ class DFlashDrafter(Drafter):
         }
         if anchor_feature:
             config["anchor_feature"] = True
+        if mask_token_id is not None:
+            config["mask_token_id"] = (
+                unused_token_id(target) if mask_token_id == "auto" else int(mask_token_id)
+            )
         torch.manual_seed(seed)
         drafter = cls(config)
         with torch.no_grad():
-            nn.init.normal_(drafter.mask_embedding, std=0.02)
+            if drafter.mask_embedding is not None:
+                nn.init.normal_(drafter.mask_embedding, std=0.02)
             if drafter.draft_vocab_size < vocab:
                 counts = token_counts if token_counts is not None else torch.zeros(vocab)
                 d2t, t2d = build_draft_vocab(counts, drafter.draft_vocab_size, target.eos_token_ids)
@@ -423,7 +465,7 @@ class DFlashDrafter(Drafter):
         """
         batch, width = anchor.shape[0], self.block_size  # symbolic under torch.export
         device = anchor.device
-        masks = self.mask_embedding.to(anchor.dtype).expand(batch, width - 1, -1)
+        masks = self.mask_vector().to(anchor.dtype).expand(batch, width - 1, -1)
         x = torch.cat([anchor.unsqueeze(1), masks], dim=1)  # [B, width, H]
         positions = roots.unsqueeze(1) + torch.arange(width, device=device)
         block = torch.ones(batch, width, width, dtype=torch.bool, device=device)
@@ -431,6 +473,12 @@ class DFlashDrafter(Drafter):
         for layer, context in zip(self.layers, contexts, strict=True):
             x = layer(x, positions, context, mask)
         return self.norm(x[:, 1:])
+
+    def mask_vector(self) -> Tensor:
+        """The MASK slots' input [H]: the learned vector, or the target's mask-token row."""
+        if self.mask_embedding is not None:
+            return self.mask_embedding
+        return self._weights().embedding[int(self.config["mask_token_id"])]
 
     def head_logits(self, hidden: Tensor) -> Tensor:
         """Draft-vocabulary logits of slot hidden states, through the target's (shared) head."""
@@ -481,6 +529,7 @@ class DFlashDrafter(Drafter):
     def export_config(self) -> dict[str, Any]:
         """Our config plus the reference layout's keys (see the module docstring)."""
         config = dict(self.config)
+        learned = self.mask_token_id is None
         config.update(
             {
                 "architectures": ["DFlashDraftModel"],
@@ -492,16 +541,40 @@ class DFlashDrafter(Drafter):
                 "torch_dtype": str(self.fc.weight.dtype).replace("torch.", ""),
                 **{k: v for k, v in engine_layer_keys(self.config["target_layer_ids"]).items()
                    if k in (FEATURE_LAYERS_KEY, "target_layer_ids")},  # fmt: skip
+                "layer_types": ["full_attention"] * int(self.config["num_layers"]),
                 "dflash_config": {
                     "block_size": self.block_size,
                     "target_layer_ids": [int(i) - 1 for i in self.config["target_layer_ids"]],
-                    "mask_token_id": None,
-                    "mask_embedding": "learned (mask_embedding)",
-                    "shared_embeddings_and_head": True,
+                    "mask_token_id": self.mask_token_id,
+                    **({"mask_embedding": "learned (mask_embedding)"} if learned else {}),
                 },
             }
         )
         return config
+
+    def export_state_dict(self) -> dict[str, Tensor]:
+        """The weights in the engines' layout: no vocabulary maps for the full vocabulary (vLLM
+        would look for a mapping buffer it does not build), and a reduced vocabulary's own
+        ``lm_head.weight`` (the bound target's rows) beside ``d2t``; ``t2d`` is rebuilt on load."""
+        tensors = dict(self.state_dict())
+        tensors.pop("t2d")
+        if self.draft_vocab_size == self.target_vocab_size:
+            tensors.pop("d2t")
+        elif self._target is not None:
+            tensors["lm_head.weight"] = self._target.head
+        return tensors
+
+    def load_exported_state_dict(self, tensors: dict[str, Tensor]) -> None:
+        """Load `export_state_dict`'s tensors (or an older folder's, which held ``t2d``)."""
+        tensors = dict(tensors)
+        tensors.pop("lm_head.weight", None)  # the target's rows: bind_target shares them
+        if "d2t" not in tensors:
+            if self.draft_vocab_size != self.target_vocab_size:
+                raise ValueError("a reduced-vocabulary DFlash folder without d2t")
+            tensors["d2t"] = torch.zeros_like(self.d2t)
+        if "t2d" not in tensors:
+            tensors["t2d"] = target_vocab_mask(tensors["d2t"], self.target_vocab_size)
+        self.load_state_dict(tensors)
 
     @classmethod
     def from_config_dict(cls, config: dict[str, Any]) -> DFlashDrafter:
@@ -513,14 +586,42 @@ class DFlashDrafter(Drafter):
         elif "target_layer_ids" in dflash:  # the reference layout: decoder-layer numbering
             config["target_layer_ids"] = [int(i) + 1 for i in dflash["target_layer_ids"]]
         config.setdefault("block_size", dflash.get("block_size", 8))
+        if dflash.get("mask_token_id") is not None:
+            config.setdefault("mask_token_id", int(dflash["mask_token_id"]))
         config.setdefault("num_layers", config.get("num_hidden_layers", 1))
         keep = {
             "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
             "head_dim", "rms_norm_eps", "rope_theta", "target_hidden_size", "target_vocab_size",
             "draft_vocab_size", "target_layer_ids", "target_model", "max_position_embeddings",
             "target_fingerprint", "training", "num_layers", "block_size", "anchor_feature",
+            "mask_token_id",
         }  # fmt: skip
         return cls({k: v for k, v in config.items() if k in keep})
+
+
+def unused_token_id(target: Any) -> int:
+    """A token the target never says, whose embedding row can be the MASK input.
+
+    The reference picks a padded embedding row beyond the tokenizer (Qwen3's 151669); without one,
+    the highest added special token that is not a begin/end/pad/unknown token (SmolLM2:
+    ``<empty_output>``, 16).
+    """
+    tokenizer = getattr(target, "tokenizer", None)
+    if tokenizer is None:
+        raise ValueError("mask_token_id 'auto' reads the target's tokenizer; this target has none")
+    rows = int(target.input_embeddings().weight.shape[0])
+    if len(tokenizer) < min(rows, target.vocab_size):
+        return len(tokenizer)  # the first padded row
+    reserved = set(tokenizer.all_special_ids)
+    added = sorted(
+        i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i not in reserved and i < rows
+    )
+    if not added:
+        raise ValueError(
+            "mask_token_id 'auto' found no padded embedding row and no spare special token: "
+            "pass a token id the target never generates"
+        )
+    return int(added[-1])
 
 
 def _cast(tensor: Tensor | None, like: Tensor) -> Tensor | None:
