@@ -258,6 +258,7 @@ class DraftOPD(EagleSFT):
             max_steps_for_schedule=max_steps_for_schedule,
             max_consecutive_nonfinite=max_consecutive_nonfinite,
             cache_dir=cache_dir,
+            prepack_target=prepack_target,
         )
         losses.draft_opd_loss(  # fail on bad lambdas now, not at the first step
             accepted_kl=torch.zeros(1),
@@ -277,8 +278,6 @@ class DraftOPD(EagleSFT):
         self._accepted_seen = 0
         self._rejected_seen = 0
         self._not_greedy = 0  # texts (or their tails) skipped: not the target's greedy text
-        if prepack_target:
-            self.prepack_target()
 
     def build_drafter(self, target: TargetModel) -> Drafter:
         raise ValueError(

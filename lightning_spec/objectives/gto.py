@@ -279,6 +279,7 @@ class GroupTreeOptimization(EagleSFT):
             max_steps_for_schedule=max_steps_for_schedule,
             max_consecutive_nonfinite=max_consecutive_nonfinite,
             cache_dir=cache_dir,
+            prepack_target=prepack_target,
         )
         self.policy = parse_tree_spec(tree)
         require_drafter_policy(self.policy, "GTO")
@@ -293,8 +294,6 @@ class GroupTreeOptimization(EagleSFT):
         self._prefixes_seen = 0
         self._cached_sequences = 0
         self._scored_sequences = 0
-        if prepack_target:
-            self.prepack_target()
 
     def build_drafter(self, target: TargetModel) -> Drafter:
         raise ValueError(

@@ -501,3 +501,23 @@ def test_prepacked_target_and_bf16_autocast_keep_the_targets_fp32_features() -> 
     torch.testing.assert_close(features, reference_features)
     torch.testing.assert_close(last, reference_last)
     assert torch.isfinite(drafter_loss)
+
+
+@pytest.mark.parametrize("objective", ["gto", "draft_opd"])
+def test_gto_and_draft_opd_prepack_through_eagle_sft(objective: str) -> None:
+    """The subclasses pass `prepack_target` to EagleSFT (one prepacking path), and GTO's frozen
+    reference drafter, copied after it, equals the trained one."""
+    from lightning_spec.models.packed import is_prepacked, prepack_unavailable_reason
+    from lightning_spec.objectives.draft_opd import DraftOPD
+    from lightning_spec.objectives.gto import GroupTreeOptimization
+
+    target = TargetModel.from_config(tiny_config("llama", num_layers=4), seed=1)
+    reason = prepack_unavailable_reason(target.model)
+    if reason is not None:
+        pytest.skip(f"prepacking cannot run here: {reason}")
+    cls = GroupTreeOptimization if objective == "gto" else DraftOPD
+    module = cls.from_objects(target, _drafter(target), prepack_target=True)
+    assert is_prepacked(target.model)
+    if objective == "gto":
+        for name, value in module.reference.state_dict().items():
+            torch.testing.assert_close(value, module.drafter.state_dict()[name])
