@@ -26,14 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_spec.bench.llamacpp import (
-    NGRAM_TYPES,
-    mode_args,
-    pick_chain,
-    run_modes,
-    summarize,
-    verifications,
-)
+from lightning_spec.bench.engines import ours_tau, pick_chain, summarize, verifications
+from lightning_spec.bench.llamacpp import NGRAM_TYPES, mode_args, run_modes
 from lightning_spec.data.assets import cache_root
 from lightning_spec.export.gguf_package import export_gguf_package
 from lightning_spec.export.llamacpp import ensure_llamacpp
@@ -58,33 +52,6 @@ def cost_curve(bench_binary: Path, target_gguf: Path, sizes: list[int], threads:
         size = int(entry["n_prompt"])
         curve[size] = size / float(entry["avg_ts"])
     return curve
-
-
-def ours_tau(drafter_dir: Path, target: str, prompts: list[list[int]], n_max: int, max_new_tokens: int) -> dict[str, Any]:
-    """Our decoder, same drafter and prompt ids, chain:K at T = 0: pooled tau and alpha."""
-    from lightning_spec.decoding.build import parse_tree_spec
-    from lightning_spec.decoding.engine import SpeculativeDecoder
-    from lightning_spec.metrics import alpha_from_records, tau_from_records
-    from lightning_spec.models.drafters.base import load_drafter
-    from lightning_spec.models.target import load_target
-
-    tgt = load_target(target)
-    drafter = load_drafter(drafter_dir, target=tgt)
-    decoder = SpeculativeDecoder(tgt, drafter, parse_tree_spec(f"chain:{n_max}"))
-    records, tokens = [], []
-    for prompt in prompts:
-        generation = decoder.generate(prompt, max_new_tokens)
-        records.extend(generation.records)
-        tokens.append(generation.tokens)
-    drafted = sum(n_max for _ in records)
-    accepted = sum(len(r.accepted) for r in records)
-    return {
-        "tau": tau_from_records(records),
-        "alphas": alpha_from_records(records),
-        "acceptance": accepted / drafted if drafted else None,
-        "verifications": len(records),
-        "tokens": tokens,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

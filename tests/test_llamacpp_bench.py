@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_spec.bench.llamacpp import PromptResult, mode_args, summarize, verifications
+from lightning_spec.bench.engines import PromptResult, summarize, verifications
+from lightning_spec.bench.llamacpp import mode_args
 
 
 def test_mode_arguments() -> None:
@@ -52,7 +53,7 @@ def test_summary_speedup_tau_and_mismatches() -> None:
 
 
 def test_chain_pick_from_the_cost_curve() -> None:
-    from lightning_spec.bench.llamacpp import expected_tau, pick_chain
+    from lightning_spec.bench.engines import expected_tau, pick_chain
 
     assert expected_tau([0.5, 0.5, None], 3) == pytest.approx(1 + 0.5 + 0.25)
     cost = {1: 1.0, 2: 1.1, 3: 1.2, 4: 2.0, 5: 2.1}  # a jump after 3 tokens

@@ -12,9 +12,8 @@ Modes (`Mode`): ``plain`` (no speculation), ``eagle3`` (our drafter, ``draft-eag
 numerics with every draft right, the reference for llama.cpp's own near-tie flips) and
 ``ngram-*`` (llama.cpp's drafter-free spec types).
 
-tau here is tokens committed per target verification, as everywhere in the project: every
-verification commits its accepted drafts plus one token, so over a reply of n tokens (the
-first comes from the prompt pass) with A accepted drafts there were n - 1 - A verifications.
+The per-prompt result, the summary (tok/s, speedup, tau, mismatches) and the chain pick are the
+engine-neutral ones of `bench/engines.py`, which the vLLM bench shares.
 """
 
 from __future__ import annotations
@@ -27,24 +26,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_spec.bench.runner import first_difference
-from lightning_spec.stats import speedup_summary, tau_summary
+from lightning_spec.bench.engines import PromptResult
 
-__all__ = [
-    "NGRAM_TYPES",
-    "LlamaServer",
-    "Mode",
-    "PromptResult",
-    "mode_args",
-    "pick_chain",
-    "run_modes",
-    "summarize",
-    "verifications",
-]
+__all__ = ["NGRAM_TYPES", "LlamaServer", "Mode", "mode_args", "run_modes"]
 
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
@@ -177,22 +165,6 @@ class LlamaServer:
         self.close()
 
 
-@dataclass
-class PromptResult:
-    """What llama.cpp reported for one prompt in one mode."""
-
-    tokens: list[int]
-    seconds: float  # decode time (llama.cpp's predicted_ms), prompt processing excluded
-    drafted: int = 0
-    accepted: int = 0
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-def verifications(result: PromptResult) -> int:
-    """Target verifications of one reply (module docstring): n - 1 - accepted."""
-    return max(len(result.tokens) - 1 - result.accepted, 0)
-
-
 def _parse(response: dict[str, Any]) -> PromptResult:
     timings = response.get("timings") or {}
     tokens = [int(t) for t in response.get("tokens") or []]
@@ -237,80 +209,3 @@ def run_modes(
             if progress:
                 print(f"[llamacpp bench] prompt {index + 1}/{len(prompts)}", flush=True)
     return results
-
-
-def summarize(
-    results: dict[str, list[PromptResult]],
-    *,
-    baseline: str = "plain",
-    reference: str | None = None,
-    resamples: int = 2000,
-) -> dict[str, Any]:
-    """Per mode: tok/s, speedup over `baseline` (paired bootstrap over prompts), llama.cpp's
-    acceptance, tau, and greedy mismatches against `baseline` and against `reference` (the
-    self-drafting mode)."""
-    base = results[baseline]
-    rows: dict[str, Any] = {}
-    for name, items in results.items():
-        tokens = [len(r.tokens) for r in items]
-        seconds = [r.seconds for r in items]
-        row: dict[str, Any] = {
-            "prompts": len(items),
-            "tokens": sum(tokens),
-            "tok_per_s": sum(tokens) / sum(seconds) if sum(seconds) > 0 else None,
-            "drafted": sum(r.drafted for r in items),
-            "accepted": sum(r.accepted for r in items),
-        }
-        row["acceptance"] = row["accepted"] / row["drafted"] if row["drafted"] else None
-        committed = [max(len(r.tokens) - 1, 0) for r in items]
-        row.update(tau_summary(committed, [verifications(r) for r in items], resamples=resamples))
-        if name != baseline:
-            speed = speedup_summary(
-                tokens, seconds, [len(r.tokens) for r in base], [r.seconds for r in base],
-                resamples=resamples,
-            )
-            row["speedup"], row["speedup_ci"] = speed["total"], speed["total_ci"]
-        for label, other in (("plain", baseline), ("self", reference)):
-            if other is None or other == name or other not in results:
-                continue
-            diffs = [
-                first_difference(a.tokens, b.tokens)
-                for a, b in zip(items, results[other], strict=True)
-            ]
-            row[f"mismatches_vs_{label}"] = sum(d is not None for d in diffs)
-            row[f"mismatch_prompts_vs_{label}"] = [i for i, d in enumerate(diffs) if d is not None]
-        rows[name] = row
-    return rows
-
-
-def expected_tau(alphas: Sequence[float | None], k: int) -> float:
-    """E[tau] of a chain of `k` drafts with per-depth acceptance alpha_j (j = 1 .. k):
-    1 + sum_j prod_{i <= j} alpha_i; depths never measured count as 0."""
-    tau, survive = 1.0, 1.0
-    for alpha in list(alphas)[:k]:
-        survive *= float(alpha or 0.0)
-        tau += survive
-    return tau
-
-
-def pick_chain(
-    alphas: Sequence[float | None],
-    cost: dict[int, float],
-    draft_cost: float,
-    *,
-    max_k: int | None = None,
-) -> dict[str, Any]:
-    """The chain length `--tree auto` would pick for llama.cpp: argmax over K of
-    E[tau(K)] / (t(K + 1) + K * draft_cost), with t(b) llama.cpp's measured cost of a target
-    forward of b tokens (``llama-bench``), `draft_cost` the seconds per drafted token and
-    alpha_j our decoder's per-depth acceptance of the same drafter (a long chain's records).
-    Returns the pick and the predicted speedup over plain decoding (t(1) per token) per K."""
-    limit = min(max_k or len(alphas), len(alphas), max(cost) - 1)
-    if limit < 1 or 1 not in cost:
-        raise ValueError("need alpha_1 and the cost of 1 and 2 tokens at least")
-    table = {}
-    for k in range(1, limit + 1):
-        step = cost[k + 1] + k * draft_cost
-        table[k] = expected_tau(alphas, k) * cost[1] / step
-    best = max(table, key=table.get)
-    return {"n_max": best, "predicted_speedup": table, "draft_cost": draft_cost}

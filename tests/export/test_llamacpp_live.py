@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_spec.bench.llamacpp import mode_args, run_modes, summarize
+from lightning_spec.bench.engines import summarize
+from lightning_spec.bench.llamacpp import mode_args, run_modes
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,131 @@
+"""vLLM in the loop: plain decoding, our drafter and vLLM's own ``ngram``, side by side.
+
+vLLM pins its own torch, so it runs in its own environment (`lightning_spec.export.vllm`) and
+this module drives it through a subprocess: it writes a spec (target folder, modes, prompt ids),
+runs `bench/vllm_worker.py` under vLLM's interpreter and reads back, per mode and prompt, the
+reply, its seconds and vLLM's speculative-decoding counters. Results come back as the
+engine-neutral `PromptResult`s of `bench/engines.py`, so tok/s, speedups, tau and greedy
+mismatches are summarised exactly as llama.cpp's are.
+
+Modes: ``plain``; ``eagle3@K`` and ``dflash@K`` (our drafter folder, ``num_speculative_tokens``
+K: a chain of K, vLLM's only shape for these methods); ``ngram@K`` (vLLM's prompt lookup).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning_spec.bench.engines import PromptResult
+from lightning_spec.export.vllm import VllmEnv
+
+__all__ = [
+    "NGRAM_LOOKUP",
+    "accepted_per_position",
+    "vllm_mode",
+    "run_vllm",
+    "to_prompt_results",
+]
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 5}  # vLLM's documented example
+
+
+def vllm_mode(name: str, *, drafter: Path | None = None, k: int = 3) -> dict[str, Any]:
+    """The worker's mode for ``plain``, ``eagle3``, ``dflash`` or ``ngram`` at K drafts."""
+    if name == "plain":
+        return {"name": "plain", "speculative_config": None}
+    if name in ("eagle3", "dflash"):
+        if drafter is None:
+            raise ValueError(f"mode {name} needs the drafter folder")
+        config = {"method": name, "model": str(drafter), "num_speculative_tokens": int(k)}
+        return {"name": f"{name}@{k}", "speculative_config": config}
+    if name == "ngram":
+        config = {"method": "ngram", "num_speculative_tokens": int(k), **NGRAM_LOOKUP}
+        return {"name": f"ngram@{k}", "speculative_config": config}
+    raise ValueError(f"unknown vLLM mode {name!r}: plain, eagle3, dflash or ngram")
+
+
+def to_prompt_results(worker_result: dict[str, Any]) -> dict[str, list[PromptResult]]:
+    """The worker's one-at-a-time replies as `PromptResult`s; seconds are decode time (wall
+    minus vLLM's time to the first token where it reports one, as llama.cpp's are)."""
+    out: dict[str, list[PromptResult]] = {}
+    for name, mode in worker_result["modes"].items():
+        items = []
+        for item in mode["prompts"]:
+            first = item.get("first_token_seconds")
+            seconds = float(item["seconds"]) - (float(first) if first else 0.0)
+            items.append(
+                PromptResult(
+                    tokens=[int(t) for t in item["tokens"]],
+                    seconds=max(seconds, 1e-9),
+                    drafted=int(item.get("drafted", 0)),
+                    accepted=int(item.get("accepted", 0)),
+                    meta={
+                        "drafts": int(item.get("drafts", 0)),
+                        "per_position": [int(v) for v in item.get("per_position", [])],
+                        "wall_seconds": float(item["seconds"]),
+                        "first_token_seconds": first,
+                    },
+                )
+            )
+        out[name] = items
+    return out
+
+
+def accepted_per_position(items: Sequence[PromptResult]) -> dict[str, list[float | None]]:
+    """vLLM's acceptance per draft position, pooled over prompts: ``reach`` (the share of
+    drafts whose first j tokens were all accepted) and ``alpha`` (position j accepted given
+    j - 1 were: our decoder's `alpha_j`)."""
+    drafts = sum(int(r.meta.get("drafts", 0)) for r in items)
+    width = max((len(r.meta.get("per_position", [])) for r in items), default=0)
+    counts = [0] * width
+    for item in items:
+        for j, value in enumerate(item.meta.get("per_position", [])):
+            counts[j] += int(value)
+    reach = [c / drafts if drafts else None for c in counts]
+    alpha, previous = [], drafts
+    for count in counts:
+        alpha.append(count / previous if previous else None)
+        previous = count
+    return {"reach": reach, "alpha": alpha}
+
+
+def run_vllm(
+    env: VllmEnv,
+    target: Path,
+    modes: Sequence[dict[str, Any]],
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    batched: Sequence[int] = (),
+    warmup: int = 1,
+    enforce_eager: bool = True,
+    dtype: str = "float32",
+    log: Path | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Run the worker under vLLM's interpreter; its result (see `bench/vllm_worker.py`)."""
+    spec = {
+        "target": str(target), "dtype": dtype, "modes": list(modes),
+        "prompts": [[int(t) for t in ids] for ids in prompts],
+        "max_new_tokens": int(max_new_tokens), "batched": [int(b) for b in batched],
+        "warmup": int(warmup), "enforce_eager": bool(enforce_eager),
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        command = [str(env.python), str(WORKER), str(spec_path), str(result_path)]
+        with open(log, "w") if log is not None else open(Path(tmp) / "log", "w") as handle:
+            process = subprocess.run(
+                command, env=env.environ(), stdout=handle, stderr=subprocess.STDOUT,
+                timeout=timeout, check=False, cwd=tmp,
+            )  # fmt: skip
+        if process.returncode != 0 or not result_path.is_file():
+            where = f" (log: {log})" if log is not None else ""
+            raise RuntimeError(f"the vLLM worker exited with {process.returncode}{where}")
+        return json.loads(result_path.read_text())
