@@ -34,7 +34,7 @@ from lightning_spec.bench.engines import (
     verifications,
 )
 from lightning_spec.bench.vllm import accepted_per_position, run_vllm, to_prompt_results, vllm_mode
-from lightning_spec.export.vllm import VLLM_CPU_VERSION, ensure_vllm
+from lightning_spec.export.vllm import VLLM_CPU_VERSION, VllmEnv, ensure_vllm
 from lightning_spec.io import atomic_write_json, sha256_file
 
 AUTO_DEPTH = 6
@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ours", action="store_true", help="our decoder's acceptance at chain:K too")
     parser.add_argument("--compiled", action="store_true", help="vLLM compiled mode (default eager)")
     parser.add_argument("--version", default=VLLM_CPU_VERSION, help="vllm-cpu version")
+    parser.add_argument(
+        "--python", type=Path, default=None,
+        help="another vLLM's interpreter (a GPU machine's official wheel) instead of the cached CPU build",
+    )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if method not in ("eagle3", "dflash"):
         parser.error(f"vLLM serves eagle3 and dflash drafters, not {method}")
     target = args.target or config.get("target_model") or "smollm2"
-    env = ensure_vllm(args.version)
+    env = VllmEnv.external(args.python) if args.python else ensure_vllm(args.version)
     folder = target_folder(target)
     tokenizer = load_target(target).tokenizer
     prompts, origin = [], []
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "drafter": str(args.drafter), "drafter_sha256": sha256_file(args.drafter / "model.safetensors"),
         "method": method, "target": str(folder), "prompts": len(prompts),
         "datasets": _csv(args.dataset), "max_new_tokens": args.max_new_tokens,
-        "vllm_cpu": args.version, "compiled": args.compiled,
+        "vllm_cpu": None if args.python else args.version, "compiled": args.compiled,
     }  # fmt: skip
     common = {"max_new_tokens": args.max_new_tokens, "enforce_eager": not args.compiled}
     auto = args.k == "auto"

@@ -62,22 +62,27 @@ class VllmEnv:
     root: Path
     version: str
     preload: tuple[str, ...]
+    interpreter: Path | None = None  # another vLLM's python (e.g. the official wheel on a GPU)
+
+    @classmethod
+    def external(cls, python: str | Path) -> VllmEnv:
+        """A vLLM installed elsewhere (a GPU machine's official wheel): its interpreter, run
+        without the CPU build's settings."""
+        return cls(Path(python).parent, "external", (), Path(python))
+
+    @property
+    def cpu(self) -> bool:
+        return self.interpreter is None
 
     @property
     def python(self) -> Path:
-        return self.root / "venv" / "bin" / "python"
+        return self.interpreter or self.root / "venv" / "bin" / "python"
 
     def environ(self, *, kv_cache_gib: int = 4, threads_bind: str = "auto") -> dict[str, str]:
-        """`os.environ` plus vLLM's CPU settings (module docstring)."""
+        """`os.environ` plus vLLM's CPU settings (module docstring), offline."""
         env = dict(os.environ)
-        preload = [*self.preload, *filter(None, env.get("LD_PRELOAD", "").split(":"))]
         env.update(
             {
-                "LD_PRELOAD": ":".join(dict.fromkeys(preload)),
-                "VLLM_TARGET_DEVICE": "cpu",
-                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-                "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
-                "VLLM_DISABLE_COMPILE_CACHE": "1",
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1",
@@ -85,6 +90,17 @@ class VllmEnv:
                 "TOKENIZERS_PARALLELISM": "false",
             }
         )
+        if self.cpu:
+            preload = [*self.preload, *filter(None, env.get("LD_PRELOAD", "").split(":"))]
+            env.update(
+                {
+                    "LD_PRELOAD": ":".join(dict.fromkeys(preload)),
+                    "VLLM_TARGET_DEVICE": "cpu",
+                    "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                    "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
+                    "VLLM_DISABLE_COMPILE_CACHE": "1",
+                }
+            )
         env.pop("PYTHONPATH", None)  # the project's packages must not shadow vLLM's pins
         return env
 

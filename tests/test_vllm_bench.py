@@ -111,3 +111,11 @@ def test_environment_settings_and_a_missing_install(tmp_path: Path) -> None:
     (stamp / "BUILT.json").write_text(json.dumps({"preload": []}))
     with pytest.raises(VllmMissing, match="reinstall"):  # stamped, but the venv is gone
         find_vllm("0.32.0", cache_dir=tmp_path)
+
+
+def test_an_external_vllm_runs_without_the_cpu_settings(tmp_path: Path) -> None:
+    env = VllmEnv.external(tmp_path / "bin" / "python")
+    assert env.python == tmp_path / "bin" / "python" and not env.cpu
+    settings = env.environ()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in settings and "VLLM_DISABLE_COMPILE_CACHE" not in settings
+    assert settings["HF_HUB_OFFLINE"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in settings
