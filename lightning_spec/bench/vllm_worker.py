@@ -38,15 +38,22 @@ def spec_counters(llm: Any) -> dict[str, Any]:
     for metric in llm.get_metrics():
         if metric.name in COUNTERS:
             values[COUNTERS[metric.name]] += int(metric.value)
-        elif metric.name == PER_POSITION:
-            values["per_position"] = [int(v) for v in metric.values]
+        elif metric.name == PER_POSITION:  # one vector per engine: summed
+            values["per_position"] = _combine(values["per_position"], metric.values, 1)
     return values
 
 
+def _combine(a: list[int], b: Any, sign: int) -> list[int]:
+    """a + sign * b, element by element, the shorter padded with zeros."""
+    width = max(len(a), len(b))
+    a, b = list(a) + [0] * (width - len(a)), [int(v) for v in b] + [0] * (width - len(b))
+    return [x + sign * y for x, y in zip(a, b, strict=True)]
+
+
 def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """What one request moved: `after` minus `before` (`spec_counters` of one engine)."""
     delta = {name: after[name] - before[name] for name in COUNTERS.values()}
-    old = before["per_position"] + [0] * (len(after["per_position"]) - len(before["per_position"]))
-    delta["per_position"] = [a - b for a, b in zip(after["per_position"], old, strict=True)]
+    delta["per_position"] = _combine(after["per_position"], before["per_position"], -1)
     return delta
 
 
