@@ -45,7 +45,7 @@ class _Engine:
 
 def test_worker_counters_and_their_difference() -> None:
     before = vllm_worker.spec_counters(_Engine([]))
-    assert before == {"drafts": 0, "drafted": 0, "accepted": 0, "per_position": []}
+    assert before == {"drafts": 0, "drafted": 0, "accepted": 0, "per_position": [], "first_token_seconds": 0.0}
     after = vllm_worker.spec_counters(_Engine([
         _Metric("vllm:spec_decode_num_drafts", 10), _Metric("vllm:spec_decode_num_draft_tokens", 30),
         _Metric("vllm:spec_decode_num_accepted_tokens", 12),
@@ -53,10 +53,11 @@ def test_worker_counters_and_their_difference() -> None:
         _Metric("vllm:generation_tokens", 99),
     ]))  # fmt: skip
     delta = vllm_worker.counter_delta(after, before)
-    assert delta == {"drafts": 10, "drafted": 30, "accepted": 12, "per_position": [7, 4, 1]}
-    again = dict(after, drafts=14, drafted=42, accepted=15, per_position=[9, 5, 1])
+    assert delta == {"drafts": 10, "drafted": 30, "accepted": 12, "per_position": [7, 4, 1],
+                     "first_token_seconds": None}  # fmt: skip
+    again = dict(after, drafts=14, drafted=42, accepted=15, per_position=[9, 5, 1], first_token_seconds=0.25)
     assert vllm_worker.counter_delta(again, after) == {
-        "drafts": 4, "drafted": 12, "accepted": 3, "per_position": [2, 1, 0],
+        "drafts": 4, "drafted": 12, "accepted": 3, "per_position": [2, 1, 0], "first_token_seconds": 0.25,
     }  # fmt: skip
 
 

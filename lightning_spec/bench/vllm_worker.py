@@ -29,14 +29,18 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "accepted",
 }
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # a histogram: its sum moves by each TTFT
 
 
 def spec_counters(llm: Any) -> dict[str, Any]:
     """vLLM's cumulative speculative-decoding counters (all zero for a plain engine)."""
     values: dict[str, Any] = {name: 0 for name in COUNTERS.values()}
     values["per_position"] = []
+    values["first_token_seconds"] = 0.0
     for metric in llm.get_metrics():
-        if metric.name in COUNTERS:
+        if metric.name == FIRST_TOKEN:
+            values["first_token_seconds"] += float(getattr(metric, "sum", 0.0) or 0.0)
+        elif metric.name in COUNTERS:
             values[COUNTERS[metric.name]] += int(metric.value)
         elif metric.name == PER_POSITION:  # one vector per engine: summed
             values["per_position"] = _combine(values["per_position"], metric.values, 1)
@@ -54,6 +58,8 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     """What one request moved: `after` minus `before` (`spec_counters` of one engine)."""
     delta = {name: after[name] - before[name] for name in COUNTERS.values()}
     delta["per_position"] = _combine(after["per_position"], before["per_position"], -1)
+    seconds = after.get("first_token_seconds", 0.0) - before.get("first_token_seconds", 0.0)
+    delta["first_token_seconds"] = seconds if seconds > 0 else None
     return delta
 
 
@@ -119,10 +125,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             output = engine.generate([prompt], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - tic
             delta = counter_delta(spec_counters(engine), before)
+            first = first_token_seconds(output)  # the request's own, else the histogram's
+            if first is not None:
+                delta["first_token_seconds"] = first
             result["modes"][name]["prompts"].append(
-                {"tokens": list(output.outputs[0].token_ids), "seconds": seconds,
-                 "first_token_seconds": first_token_seconds(output), **delta}
-            )  # fmt: skip
+                {"tokens": list(output.outputs[0].token_ids), "seconds": seconds, **delta}
+            )
         print(f"[vllm worker] prompt {index + 1}/{len(prompts)}", file=sys.stderr, flush=True)
     for size in spec.get("batched", []):
         for i, mode in enumerate(modes):
