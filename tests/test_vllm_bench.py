@@ -69,7 +69,7 @@ def _worker_result() -> dict:
     return {
         "vllm": "0.32.0",
         "modes": {
-            "plain": {"prompts": [prompt([1, 2, 3, 4, 5], 1.0, 0.2), prompt([6, 7, 8], 0.7, 0.1)]},
+            "plain": {"prompts": [prompt([1, 2, 3, 4, 5], 1.0, 0.2), dict(prompt([6, 7, 8], 0.7, 0.1), decode_seconds=0.5)]},
             "eagle3@2": {"prompts": [prompt([1, 2, 3, 4, 5], 0.6, 0.2, 2, 2, [2, 0]),
                                      prompt([6, 7, 9], 0.5, 0.1, 1, 0, [0, 0])]},  # fmt: skip
         },
@@ -80,6 +80,7 @@ def test_worker_results_become_prompt_results_and_summarise() -> None:
     results = to_prompt_results(_worker_result())
     plain, eagle = results["plain"], results["eagle3@2"]
     assert plain[0].seconds == pytest.approx(0.8)  # decode time: wall minus the first token's
+    assert plain[1].seconds == pytest.approx(0.5)  # or vLLM's own first-to-last-token time
     assert eagle[0].drafted == 4 and eagle[0].accepted == 2 and eagle[0].meta["per_position"] == [2, 0]
     rows = summarize(results, reference=None, resamples=200)
     assert rows["eagle3@2"]["mismatches_vs_plain"] == 1  # the second reply differs at token 3

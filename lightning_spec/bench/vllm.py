@@ -51,18 +51,20 @@ def vllm_mode(name: str, *, drafter: Path | None = None, k: int = 3) -> dict[str
 
 
 def to_prompt_results(worker_result: dict[str, Any]) -> dict[str, list[PromptResult]]:
-    """The worker's one-at-a-time replies as `PromptResult`s; seconds are decode time (wall
-    minus vLLM's time to the first token where it reports one, as llama.cpp's are)."""
+    """The worker's one-at-a-time replies as `PromptResult`s; seconds are decode time, as
+    llama.cpp's are: vLLM's first-to-last-token time, else wall time minus the first token's."""
     out: dict[str, list[PromptResult]] = {}
     for name, mode in worker_result["modes"].items():
         items = []
         for item in mode["prompts"]:
             first = item.get("first_token_seconds")
-            seconds = float(item["seconds"]) - (float(first) if first else 0.0)
+            seconds = item.get("decode_seconds")
+            if seconds is None:
+                seconds = float(item["seconds"]) - (float(first) if first else 0.0)
             items.append(
                 PromptResult(
                     tokens=[int(t) for t in item["tokens"]],
-                    seconds=max(seconds, 1e-9),
+                    seconds=max(float(seconds), 1e-9),
                     drafted=int(item.get("drafted", 0)),
                     accepted=int(item.get("accepted", 0)),
                     meta={

@@ -10,8 +10,8 @@ null}]), ``prompts`` (token ids), ``max_new_tokens``, ``batched`` (batch sizes t
 one-at-a-time; [] for none), ``warmup``, ``enforce_eager``, ``max_model_len``, ``seed``.
 
 RESULT, per mode: per prompt (one at a time, modes rotated per prompt so drift spreads evenly)
-the reply's token ids, wall seconds, the prompt-pass seconds (time to the first token, where
-vLLM reports it) and the spec-decode counters it moved (drafts, drafted and accepted tokens,
+the reply's token ids, wall seconds, decode seconds (vLLM's own first-to-last-token time),
+time to the first token (vLLM's histogram) and the spec-decode counters it moved (drafts, drafted and accepted tokens,
 accepted tokens per draft position); per batch size, the wall seconds and replies of the whole
 prompt set submitted at once. Greedy (temperature 0) throughout.
 """
@@ -63,17 +63,14 @@ def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
     return delta
 
 
-def first_token_seconds(output: Any) -> float | None:
-    """Seconds from arrival to the first token, where this vLLM version reports them."""
+def decode_seconds(output: Any) -> float | None:
+    """The request's decode time, first token to last, from vLLM's own per-request timestamps
+    (engine-core monotonic clock; vLLM 0.32: ``RequestOutput.metrics`` is a RequestStateStats)."""
     metrics = getattr(output, "metrics", None)
-    if metrics is None:
-        return None
-    for first, start in (("first_token_time", "arrival_time"), ("first_token_ts", "arrival_time")):
-        a, b = getattr(metrics, first, None), getattr(metrics, start, None)
-        if a and b:
-            return float(a) - float(b)
-    latency = getattr(metrics, "first_token_latency", None)
-    return float(latency) if latency else None
+    first, last = getattr(metrics, "first_token_ts", None), getattr(metrics, "last_token_ts", None)
+    if first and last and last >= first:
+        return float(last) - float(first)
+    return None
 
 
 def build_engine(spec: dict[str, Any], mode: dict[str, Any]) -> Any:
@@ -125,12 +122,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             output = engine.generate([prompt], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - tic
             delta = counter_delta(spec_counters(engine), before)
-            first = first_token_seconds(output)  # the request's own, else the histogram's
-            if first is not None:
-                delta["first_token_seconds"] = first
             result["modes"][name]["prompts"].append(
-                {"tokens": list(output.outputs[0].token_ids), "seconds": seconds, **delta}
-            )
+                {"tokens": list(output.outputs[0].token_ids), "seconds": seconds,
+                 "decode_seconds": decode_seconds(output), **delta}
+            )  # fmt: skip
         print(f"[vllm worker] prompt {index + 1}/{len(prompts)}", file=sys.stderr, flush=True)
     for size in spec.get("batched", []):
         for i, mode in enumerate(modes):
