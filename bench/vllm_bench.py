@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in rows.items():
         if name.startswith(f"{method}@"):
             k = int(name.split("@")[1])
-            row["per_position"] = accepted_per_position(results[name])
+            row["per_position"] = accepted_per_position(results[name], k)
             if f"chain:{k}" in ours:
                 interval = reach_per_position(ours[f"chain:{k}"]["accepted_lengths"], k)
                 row["ours_per_position"] = interval

@@ -29,49 +29,39 @@ def test_modes_name_the_method_and_the_drafts(tmp_path: Path) -> None:
 
 
 @dataclass
-class _Metric:  # the fields of vLLM's metric records that the worker reads
-    name: str
-    value: int = 0
-    values: list[int] = field(default_factory=list)
+class _SpecMetrics:  # the fields of vLLM's RequestSpecDecodeMetrics that the worker reads
+    per_step_accepted: list[int]
+    per_step_drafted: list[int]
+    histogram: list[int] = field(default_factory=list)
 
 
-class _Engine:
-    def __init__(self, metrics: list[_Metric]) -> None:
-        self.metrics = metrics
-
-    def get_metrics(self) -> list[_Metric]:
-        return self.metrics
+@dataclass
+class _Completion:
+    spec_decode_metrics: _SpecMetrics | None
 
 
-def test_worker_counters_and_their_difference() -> None:
-    before = vllm_worker.spec_counters(_Engine([]))
-    assert before == {"drafts": 0, "drafted": 0, "accepted": 0, "per_position": [], "first_token_seconds": 0.0}
-    after = vllm_worker.spec_counters(_Engine([
-        _Metric("vllm:spec_decode_num_drafts", 10), _Metric("vllm:spec_decode_num_draft_tokens", 30),
-        _Metric("vllm:spec_decode_num_accepted_tokens", 12),
-        _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[7, 4, 1]),
-        _Metric("vllm:generation_tokens", 99),
-    ]))  # fmt: skip
-    delta = vllm_worker.counter_delta(after, before)
-    assert delta == {"drafts": 10, "drafted": 30, "accepted": 12, "per_position": [7, 4, 1],
-                     "first_token_seconds": None}  # fmt: skip
-    again = dict(after, drafts=14, drafted=42, accepted=15, per_position=[9, 5, 1], first_token_seconds=0.25)
-    assert vllm_worker.counter_delta(again, after) == {
-        "drafts": 4, "drafted": 12, "accepted": 3, "per_position": [2, 1, 0], "first_token_seconds": 0.25,
-    }  # fmt: skip
+def test_worker_reads_the_per_request_drafting_record() -> None:
+    record = vllm_worker.request_spec_metrics(
+        _Completion(_SpecMetrics([2, 0, 3], [3, 3, 3], [1, 0, 1, 1])), speculative=True
+    )
+    assert record["drafts"] == 3 and record["drafted"] == 9 and record["accepted"] == 5
+    assert record["accepted_lengths"] == [2, 0, 3]
+    assert vllm_worker.request_spec_metrics(_Completion(None), speculative=False)["drafted"] == 0
+    with pytest.raises(RuntimeError, match="per-request speculative metrics"):
+        vllm_worker.request_spec_metrics(_Completion(None), speculative=True)
 
 
 def _worker_result() -> dict:
-    def prompt(tokens, seconds, first, drafts=0, accepted=0, per_position=()):  # noqa: ANN001, ANN202
-        return {"tokens": tokens, "seconds": seconds, "first_token_seconds": first, "drafts": drafts,
-                "drafted": 2 * drafts, "accepted": accepted, "per_position": list(per_position)}  # fmt: skip
+    def prompt(tokens, seconds, lengths=(), drafted=0, decode=None):  # noqa: ANN001, ANN202
+        return {"tokens": tokens, "seconds": seconds, "decode_seconds": decode, "drafts": len(lengths),
+                "drafted": drafted, "accepted": sum(lengths), "accepted_lengths": list(lengths)}  # fmt: skip
 
     return {
         "vllm": "0.32.0",
         "modes": {
-            "plain": {"prompts": [prompt([1, 2, 3, 4, 5], 1.0, 0.2), dict(prompt([6, 7, 8], 0.7, 0.1), decode_seconds=0.5)]},
-            "eagle3@2": {"prompts": [prompt([1, 2, 3, 4, 5], 0.6, 0.2, 2, 2, [2, 0]),
-                                     prompt([6, 7, 9], 0.5, 0.1, 1, 0, [0, 0])]},  # fmt: skip
+            "plain": {"prompts": [prompt([1, 2, 3, 4, 5], 1.0, decode=0.8), prompt([6, 7, 8], 0.7)]},
+            "eagle3@2": {"prompts": [prompt([1, 2, 3, 4, 5], 0.6, [2, 0], 4, decode=0.5),
+                                     prompt([6, 7, 9], 0.5, [0, 1], 4)]},  # fmt: skip
         },
     }
 
@@ -79,15 +69,18 @@ def _worker_result() -> dict:
 def test_worker_results_become_prompt_results_and_summarise() -> None:
     results = to_prompt_results(_worker_result())
     plain, eagle = results["plain"], results["eagle3@2"]
-    assert plain[0].seconds == pytest.approx(0.8)  # decode time: wall minus the first token's
-    assert plain[1].seconds == pytest.approx(0.5)  # or vLLM's own first-to-last-token time
-    assert eagle[0].drafted == 4 and eagle[0].accepted == 2 and eagle[0].meta["per_position"] == [2, 0]
+    assert plain[0].seconds == pytest.approx(0.8)  # vLLM's own first-to-last-token time
+    assert plain[1].seconds == pytest.approx(0.7)  # else wall time
+    assert eagle[0].drafted == 4 and eagle[0].accepted == 2 and eagle[0].meta["accepted_lengths"] == [2, 0]
     rows = summarize(results, reference=None, resamples=200)
     assert rows["eagle3@2"]["mismatches_vs_plain"] == 1  # the second reply differs at token 3
-    assert rows["eagle3@2"]["tok_per_s"] == pytest.approx(8 / 0.8)
-    per_position = accepted_per_position(eagle)
-    assert per_position["reach"] == [pytest.approx(2 / 3), 0.0]
-    assert per_position["alpha"] == [pytest.approx(2 / 3), 0.0]
+    assert rows["eagle3@2"]["tok_per_s"] == pytest.approx(8 / 1.0)
+    per_position = accepted_per_position(eagle, 2)
+    assert per_position["reach"] == [pytest.approx(2 / 4), pytest.approx(1 / 4)]
+    assert per_position["alpha"] == [pytest.approx(1 / 2), pytest.approx(1 / 2)]
+    # the same records give our decoder's interval quantity: one definition for both engines
+    ours = reach_per_position([r.meta["accepted_lengths"] for r in eagle], 2, resamples=100)
+    assert [row["reach"] for row in ours] == per_position["reach"]
 
 
 def test_our_reach_per_position_and_its_interval() -> None:

@@ -52,26 +52,21 @@ def vllm_mode(name: str, *, drafter: Path | None = None, k: int = 3) -> dict[str
 
 def to_prompt_results(worker_result: dict[str, Any]) -> dict[str, list[PromptResult]]:
     """The worker's one-at-a-time replies as `PromptResult`s; seconds are decode time, as
-    llama.cpp's are: vLLM's first-to-last-token time, else wall time minus the first token's."""
+    llama.cpp's are: vLLM's first-to-last-token time, else wall time."""
     out: dict[str, list[PromptResult]] = {}
     for name, mode in worker_result["modes"].items():
         items = []
         for item in mode["prompts"]:
-            first = item.get("first_token_seconds")
             seconds = item.get("decode_seconds")
-            if seconds is None:
-                seconds = float(item["seconds"]) - (float(first) if first else 0.0)
             items.append(
                 PromptResult(
                     tokens=[int(t) for t in item["tokens"]],
-                    seconds=max(float(seconds), 1e-9),
+                    seconds=max(float(item["seconds"] if seconds is None else seconds), 1e-9),
                     drafted=int(item.get("drafted", 0)),
                     accepted=int(item.get("accepted", 0)),
                     meta={
-                        "drafts": int(item.get("drafts", 0)),
-                        "per_position": [int(v) for v in item.get("per_position", [])],
+                        "accepted_lengths": [int(a) for a in item.get("accepted_lengths", [])],
                         "wall_seconds": float(item["seconds"]),
-                        "first_token_seconds": first,
                     },
                 )
             )
@@ -79,22 +74,20 @@ def to_prompt_results(worker_result: dict[str, Any]) -> dict[str, list[PromptRes
     return out
 
 
-def accepted_per_position(items: Sequence[PromptResult]) -> dict[str, list[float | None]]:
-    """vLLM's acceptance per draft position, pooled over prompts: ``reach`` (the share of
-    drafts whose first j tokens were all accepted) and ``alpha`` (position j accepted given
-    j - 1 were: our decoder's `alpha_j`)."""
-    drafts = sum(int(r.meta.get("drafts", 0)) for r in items)
-    width = max((len(r.meta.get("per_position", [])) for r in items), default=0)
-    counts = [0] * width
-    for item in items:
-        for j, value in enumerate(item.meta.get("per_position", [])):
-            counts[j] += int(value)
-    reach = [c / drafts if drafts else None for c in counts]
-    alpha, previous = [], drafts
-    for count in counts:
-        alpha.append(count / previous if previous else None)
-        previous = count
-    return {"reach": reach, "alpha": alpha}
+def accepted_per_position(items: Sequence[PromptResult], depth: int) -> dict[str, list[Any]]:
+    """vLLM's acceptance per draft position from its per-step records, pooled over prompts:
+    ``reach`` (the share of verify steps whose first j drafts were all accepted, with the
+    interval `reach_per_position` gives ours) and ``alpha`` (position j accepted given j - 1
+    were: our decoder's `alpha_j`)."""
+    lengths = [list(r.meta.get("accepted_lengths", [])) for r in items]
+    steps = sum(len(x) for x in lengths)
+    reach = [sum(1 for x in lengths for a in x if a >= j) / steps if steps else None
+             for j in range(1, depth + 1)]  # fmt: skip
+    alpha, previous = [], 1.0 if steps else None
+    for value in reach:
+        alpha.append(value / previous if value is not None and previous else None)
+        previous = value
+    return {"reach": reach, "alpha": alpha, "steps": steps}
 
 
 def run_vllm(

@@ -10,57 +10,51 @@ null}]), ``prompts`` (token ids), ``max_new_tokens``, ``batched`` (batch sizes t
 one-at-a-time; [] for none), ``warmup``, ``enforce_eager``, ``max_model_len``, ``seed``.
 
 RESULT, per mode: per prompt (one at a time, modes rotated per prompt so drift spreads evenly)
-the reply's token ids, wall seconds, decode seconds (vLLM's own first-to-last-token time),
-time to the first token (vLLM's histogram) and the spec-decode counters it moved (drafts, drafted and accepted tokens,
-accepted tokens per draft position); per batch size, the wall seconds and replies of the whole
-prompt set submitted at once. Greedy (temperature 0) throughout.
+the reply's token ids, wall seconds, decode seconds (vLLM's own first-to-last-token time) and
+vLLM's per-request drafting record (drafted and accepted tokens of every verify step); per
+batch size, the wall seconds and replies of the whole prompt set submitted in chunks of that
+size. Greedy (temperature 0) throughout.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
 
-COUNTERS = {
-    "vllm:spec_decode_num_drafts": "drafts",
-    "vllm:spec_decode_num_draft_tokens": "drafted",
-    "vllm:spec_decode_num_accepted_tokens": "accepted",
-}
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-FIRST_TOKEN = "vllm:time_to_first_token_seconds"  # a histogram: its sum moves by each TTFT
+# run as a script, this file's folder leads sys.path, and its neighbour `vllm.py` (the project's
+# driver) would shadow the real vLLM package
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
+def request_spec_metrics(completion: Any, *, speculative: bool) -> dict[str, Any]:
+    """One reply's drafting as vLLM recorded it (``per_request_spec_decode_metrics``
+    "detailed": the accepted and drafted count of every verify step).
 
-def spec_counters(llm: Any) -> dict[str, Any]:
-    """vLLM's cumulative speculative-decoding counters (all zero for a plain engine)."""
-    values: dict[str, Any] = {name: 0 for name in COUNTERS.values()}
-    values["per_position"] = []
-    values["first_token_seconds"] = 0.0
-    for metric in llm.get_metrics():
-        if metric.name == FIRST_TOKEN:
-            values["first_token_seconds"] += float(getattr(metric, "sum", 0.0) or 0.0)
-        elif metric.name in COUNTERS:
-            values[COUNTERS[metric.name]] += int(metric.value)
-        elif metric.name == PER_POSITION:  # one vector per engine: summed
-            values["per_position"] = _combine(values["per_position"], metric.values, 1)
-    return values
-
-
-def _combine(a: list[int], b: Any, sign: int) -> list[int]:
-    """a + sign * b, element by element, the shorter padded with zeros."""
-    width = max(len(a), len(b))
-    a, b = list(a) + [0] * (width - len(a)), [int(v) for v in b] + [0] * (width - len(b))
-    return [x + sign * y for x, y in zip(a, b, strict=True)]
-
-
-def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """What one request moved: `after` minus `before` (`spec_counters` of one engine)."""
-    delta = {name: after[name] - before[name] for name in COUNTERS.values()}
-    delta["per_position"] = _combine(after["per_position"], before["per_position"], -1)
-    seconds = after.get("first_token_seconds", 0.0) - before.get("first_token_seconds", 0.0)
-    delta["first_token_seconds"] = seconds if seconds > 0 else None
-    return delta
+    vLLM's Prometheus counters cannot serve here: the registry is process-wide and each new
+    engine replaces the previous engine's collectors, so with one engine per mode only the last
+    engine's counters move.
+    """
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    if metrics is None:
+        if speculative:
+            raise RuntimeError(
+                "vLLM returned no per-request speculative metrics; this worker needs vLLM with "
+                "per_request_spec_decode_metrics (0.32 has it)"
+            )
+        return {"drafts": 0, "drafted": 0, "accepted": 0, "accepted_lengths": []}
+    accepted = [int(a) for a in metrics.per_step_accepted]
+    drafted = [int(d) for d in metrics.per_step_drafted]
+    return {
+        "drafts": len(accepted),
+        "drafted": sum(drafted),
+        "accepted": sum(accepted),
+        "accepted_lengths": accepted,
+        "drafted_per_step": drafted,
+        "histogram": [int(h) for h in metrics.histogram],
+    }
 
 
 def decode_seconds(output: Any) -> float | None:
@@ -82,10 +76,11 @@ def build_engine(spec: dict[str, Any], mode: dict[str, Any]) -> Any:
         "max_model_len": int(spec.get("max_model_len", 2048)),
         "enforce_eager": bool(spec.get("enforce_eager", True)),
         "seed": int(spec.get("seed", 0)),
-        "disable_log_stats": False,  # the spec-decode counters live in the stats
+        "disable_log_stats": True,
     }
     if mode.get("speculative_config"):
         kwargs["speculative_config"] = dict(mode["speculative_config"])
+        kwargs["per_request_spec_decode_metrics"] = "detailed"  # every verify step, per request
     return LLM(**kwargs)
 
 
@@ -117,14 +112,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         order = list(range(shift, len(modes))) + list(range(shift))
         for i in order:
             engine, name = engines[i], modes[i]["name"]
-            before = spec_counters(engine)
             tic = time.perf_counter()
             output = engine.generate([prompt], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - tic
-            delta = counter_delta(spec_counters(engine), before)
+            drafting = request_spec_metrics(
+                output.outputs[0], speculative=bool(modes[i].get("speculative_config"))
+            )
             result["modes"][name]["prompts"].append(
                 {"tokens": list(output.outputs[0].token_ids), "seconds": seconds,
-                 "decode_seconds": decode_seconds(output), **delta}
+                 "decode_seconds": decode_seconds(output), **drafting}
             )  # fmt: skip
         print(f"[vllm worker] prompt {index + 1}/{len(prompts)}", file=sys.stderr, flush=True)
     for size in spec.get("batched", []):
@@ -151,8 +147,6 @@ def main(argv: list[str]) -> int:
     tmp = argv[1] + ".tmp"
     with open(tmp, "w") as handle:
         json.dump(result, handle)
-    import os
-
     os.replace(tmp, argv[1])
     return 0
 

@@ -56,7 +56,7 @@ def test_vllm_runs_our_drafter_like_our_decoder(tmp_path, greedy_fit) -> None:  
     records = [r for p in prompts for r in decoder.generate(p, NEW_TOKENS).records]
     ours = sum(len(r.accepted) for r in records) / (CHAIN * len(records))
     print(f"acceptance at chain:{CHAIN}: vLLM {theirs['acceptance']:.3f}, ours {ours:.3f}; "
-          f"per position {accepted_per_position(results[f'eagle3@{CHAIN}'])}")  # fmt: skip
+          f"per position {accepted_per_position(results[f'eagle3@{CHAIN}'], CHAIN)}")  # fmt: skip
     assert theirs["drafted"] > 0 and theirs["acceptance"] > 0.15  # the drafter works there
     assert abs(theirs["acceptance"] - ours) < 0.1, (theirs["acceptance"], ours)
     assert theirs["mismatches_vs_plain"] == 0, theirs  # lossless inside vLLM
