@@ -26,7 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_spec.bench.engines import ours_tau, pick_chain, summarize, verifications
+from lightning_spec.bench.engines import (
+    engine_prompts,
+    ours_tau,
+    pick_chain,
+    summarize,
+    verifications,
+)
 from lightning_spec.bench.llamacpp import NGRAM_TYPES, mode_args, run_modes
 from lightning_spec.data.assets import cache_root
 from lightning_spec.export.gguf_package import export_gguf_package
@@ -83,20 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from lightning_spec.models.target import load_target
-    from lightning_spec.specs import load_prompts
 
     config = json.loads((args.drafter / "config.json").read_text())
     target = args.target or config.get("target_model") or "smollm2"
     drafter_sha = sha256_file(args.drafter / "model.safetensors")
     workdir = args.workdir or cache_root() / "llamacpp" / "exports" / drafter_sha[:16]
     built = ensure_llamacpp()
-    tokenizer = load_target(target).tokenizer
-    prompts, origin = [], []
-    for spec in _csv(args.dataset):
-        name, items = load_prompts(spec, tokenizer, limit=args.limit)
-        prompts += [list(ids) for ids, _ in items]
-        origin += [name] * len(items)
+    prompts, origin = engine_prompts(target, args.dataset, args.limit)
     auto = args.n_max == "auto"
     if auto and not (args.ours or args.ours_from):
         parser.error("--n-max auto needs --ours or --ours-from (our decoder's per-depth acceptance)")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_spec.bench.engines import (
+    engine_prompts,
     expected_tau,
     ours_tau,
     reach_per_position,
@@ -89,8 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from lightning_spec.models.target import load_target
-    from lightning_spec.specs import load_prompts
 
     config = json.loads((args.drafter / "config.json").read_text())
     method = config.get("drafter_type", "eagle3")
@@ -99,12 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     target = args.target or config.get("target_model") or "smollm2"
     env = VllmEnv.external(args.python) if args.python else ensure_vllm(args.version)
     folder = target_folder(target)
-    tokenizer = load_target(target).tokenizer
-    prompts, origin = [], []
-    for spec in _csv(args.dataset):
-        name, items = load_prompts(spec, tokenizer, limit=args.limit)
-        prompts += [list(ids) for ids, _ in items]
-        origin += [name] * len(items)
+    prompts, origin = engine_prompts(target, args.dataset, args.limit)
     log_dir = args.output.parent / f"{args.output.stem}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {

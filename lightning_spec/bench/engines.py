@@ -24,6 +24,7 @@ from lightning_spec.stats import speedup_summary, tau_summary
 __all__ = [
     "PromptResult",
     "expected_tau",
+    "engine_prompts",
     "ours_tau",
     "pick_chain",
     "reach_per_position",
@@ -179,3 +180,18 @@ def reach_per_position(
     return [
         {"reach": float(point[j]), "low": float(low[j]), "high": float(high[j])} for j in range(depth)
     ]
+
+
+def engine_prompts(target: str, datasets: str, limit: int) -> tuple[list[list[int]], list[str]]:
+    """The prompt ids every engine bench serves (the target's chat template, as our own bench
+    renders them) and the dataset each came from, for ``datasets`` (comma list) at `limit` each."""
+    from lightning_spec.models.target import load_target
+    from lightning_spec.specs import load_prompts
+
+    tokenizer = load_target(target).tokenizer
+    prompts, origin = [], []
+    for spec in (part.strip() for part in datasets.split(",") if part.strip()):
+        name, items = load_prompts(spec, tokenizer, limit=limit)
+        prompts += [list(ids) for ids, _ in items]
+        origin += [name] * len(items)
+    return prompts, origin

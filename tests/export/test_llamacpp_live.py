@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from lightning_spec.bench.engines import summarize
 from lightning_spec.bench.llamacpp import mode_args, run_modes
@@ -20,34 +19,18 @@ CHAIN, NEW_TOKENS = 3, 40
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory, greedy_fit) -> dict:
-    from lightning_spec.decoding.engine import autoregressive_generate
+def setup(tmp_path_factory: pytest.TempPathFactory, engine_drafter) -> dict:  # noqa: ANN001
     from lightning_spec.export.gguf_package import export_gguf_package
     from lightning_spec.export.llamacpp import ensure_llamacpp
-    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
-    from lightning_spec.models.target import load_target
-    from lightning_spec.specs import load_prompts
 
     built = ensure_llamacpp()
-    target = load_target("smollm2")
-    _, items = load_prompts("mtbench", target.tokenizer, limit=4)
-    prompts = [list(ids) for ids, _ in items]
-    # a head fitted on these prompts' own greedy continuations: drafts are accepted most of the
-    # time, but not always, so acceptance can be compared across engines
-    counts = torch.zeros(target.vocab_size)
-    for prompt in prompts:
-        text = prompt + autoregressive_generate(target, prompt, NEW_TOKENS, stop_on_eos=False)
-        counts += torch.bincount(torch.tensor(text), minlength=target.vocab_size).float()
-    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=2048, token_counts=counts)
-    greedy_fit(target, drafter, prompts, length=max(len(p) for p in prompts) + NEW_TOKENS, steps=40)
+    fitted = engine_drafter(NEW_TOKENS)
     root = tmp_path_factory.mktemp("llamacpp")
-    drafter.save_pretrained(root / "drafter")
+    fitted["drafter"].save_pretrained(root / "drafter")
     package = export_gguf_package(root / "drafter", root / "gguf", target="smollm2", with_target="f32")
     return {
         "built": built,
-        "target": target,
-        "drafter": drafter,
-        "prompts": prompts,
+        **fitted,
         "target_gguf": root / "gguf" / package["files"]["target"]["path"],
         "drafter_gguf": root / "gguf" / package["files"]["drafter"]["path"],
     }

