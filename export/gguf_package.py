@@ -1,6 +1,7 @@
 """`lightning-spec export --format gguf`: the files a llama.cpp deployment needs, in one folder.
 
-``OUTPUT/drafter-<f32|f16>.gguf`` is the EAGLE-3 drafter (`lightning_spec.export.gguf`), and
+``OUTPUT/drafter-<f32|f16>.gguf`` is the EAGLE-3 drafter (`lightning_spec.export.gguf`) or a
+DFlash drafter in the engines' layout (llama.cpp's own converter, `export/llamacpp.py`), and
 with ``--with-target TYPE`` ``OUTPUT/target-<TYPE>.gguf`` is the target beside it. The target's
 tokenizer, which the drafter's file must carry, comes from (in this order) ``--target-gguf``,
 the embedded default's own GGUF (SmolLM2's Q4_1 file, the one our de-quantized target was made
@@ -10,12 +11,14 @@ from), or a GGUF that llama.cpp's converter makes from the target's model folder
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
 
 from lightning_spec.export.gguf import GgufExportError, write_eagle3_gguf
 from lightning_spec.io import atomic_write_json, sha256_file
+from lightning_spec.models.drafters.base import drafter_type_of
 
 __all__ = ["export_gguf_package"]
 
@@ -38,8 +41,6 @@ def _embedded_default(target: str | None) -> bool:
 def _target_of(drafter: Path, target: str | None) -> str | None:
     if target is not None:
         return target
-    import json
-
     config = json.loads((drafter / "config.json").read_text())
     return config.get("target_model")
 
@@ -106,9 +107,20 @@ def export_gguf_package(
         files["target"] = source
     else:
         raise GgufExportError("the drafter names no target: give --target or --target-gguf")
-    files["drafter"] = write_eagle3_gguf(
-        drafter, source, output / f"drafter-{outtype}.gguf", outtype=outtype
-    )
+    config = json.loads((drafter / "config.json").read_text())
+    block = drafter_type_of(config) == "dflash"
+    if block:  # llama.cpp's own converter reads our DFlash layout (export/llamacpp.py)
+        from lightning_spec.export.llamacpp import convert_dflash
+
+        if target is None:
+            raise GgufExportError("a DFlash export needs --target (the model folder)")
+        files["drafter"] = convert_dflash(
+            drafter, _model_folder(target), output / f"drafter-{outtype}.gguf", outtype
+        )
+    else:
+        files["drafter"] = write_eagle3_gguf(
+            drafter, source, output / f"drafter-{outtype}.gguf", outtype=outtype
+        )
     manifest: dict[str, Any] = {
         "format": "gguf",
         "drafter_folder": str(drafter.resolve()),
@@ -118,11 +130,12 @@ def export_gguf_package(
     }
     if "target" in files:
         t, d = files["target"].name, files["drafter"].name
+        spec, n_max = ("draft-dflash", int(config["block_size"]) - 1) if block else ("draft-eagle3", 4)
         manifest["run"] = {
-            "llama-server": f"llama-server -m {t} --model-draft {d} --spec-type draft-eagle3 "
-            "--spec-draft-n-max 4 -t 2",
+            "llama-server": f"llama-server -m {t} --model-draft {d} --spec-type {spec} "
+            f"--spec-draft-n-max {n_max} -t 2",
             "llama-speculative-simple": f"llama-speculative-simple -m {t} --model-draft {d} "
-            "--spec-type draft-eagle3 --spec-draft-n-max 4 -p PROMPT -n 64 --temp 0",
+            f"--spec-type {spec} --spec-draft-n-max {n_max} -p PROMPT -n 64 --temp 0",
         }
     atomic_write_json(output / "manifest.json", manifest)
     return manifest

@@ -31,6 +31,7 @@ from lightning_spec.io import atomic_write_json, file_lock
 __all__ = [
     "LLAMACPP_VERSION",
     "TARGET_TYPES",
+    "convert_dflash",
     "convert_target",
     "ensure_source",
     "TARGETS",
@@ -238,14 +239,69 @@ def convert_target(
         finally:
             full.unlink(missing_ok=True)
         return output
+    return _convert(model_dir, output, outtype, version=version, cache_dir=cache_dir)
+
+
+def convert_dflash(
+    drafter_dir: str | Path,
+    target_dir: str | Path,
+    output: str | Path,
+    outtype: str = "f32",
+    *,
+    version: str = LLAMACPP_VERSION,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """A DFlash drafter folder in the engines' layout -> the GGUF llama.cpp's ``draft-dflash``
+    loads, with llama.cpp's own converter (its ``DFlashModel``: the tokenizer and the shared
+    embeddings and head come from the target's folder). This llama.cpp's converter maps no
+    ``d2t`` for DFlash, so only full-vocabulary drafters convert."""
+    import json
+
+    from lightning_spec.models.drafters.base import drafter_type_of
+
+    config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    if drafter_type_of(config) != "dflash":
+        raise ValueError(f"{drafter_dir} is not a DFlash drafter folder")
+    dflash = config.get("dflash_config") or {}
+    problems = []
+    if dflash.get("mask_token_id") is None:
+        problems.append("its MASK input is a learned vector: train with mask_token_id (e.g. auto)")
+    if config.get("anchor_feature"):
+        problems.append("anchor_feature: llama.cpp has no anchor projection")
+    if int(config.get("draft_vocab_size", config.get("vocab_size", 0))) != int(config.get("vocab_size", -1)):
+        problems.append(
+            f"a reduced draft vocabulary ({config.get('draft_vocab_size')} of "
+            f"{config.get('vocab_size')}): llama.cpp {version}'s DFlash converter maps no d2t; "
+            "train with the full vocabulary (draft_vocab_size = the target's)"
+        )
+    if problems:
+        raise ValueError(f"{drafter_dir} cannot run in llama.cpp's draft-dflash: " + "; ".join(problems))
+    return _convert(
+        drafter_dir, output, outtype, version=version, cache_dir=cache_dir,
+        extra=("--target-model-dir", str(target_dir)),
+    )  # fmt: skip
+
+
+def _convert(
+    model_dir: Path | str,
+    output: Path | str,
+    outtype: str,
+    *,
+    version: str,
+    cache_dir: str | Path | None,
+    extra: tuple[str, ...] = (),
+) -> Path:
+    """Run ``convert_hf_to_gguf.py`` on `model_dir` into `output` (written atomically)."""
+    model_dir, output = Path(model_dir), Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
     source = ensure_source(version, cache_dir)
     tmp = output.with_name(output.name + ".tmp")
     _log(f"converting {model_dir} -> {output} ({outtype}) with llama.cpp's converter")
     result = subprocess.run(
         [sys.executable, str(source / "convert_hf_to_gguf.py"), str(model_dir),
-         "--outfile", str(tmp), "--outtype", outtype],
+         "--outfile", str(tmp), "--outtype", outtype, *extra],
         capture_output=True, text=True,
-    )
+    )  # fmt: skip
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
         tail = "\n".join(result.stderr.strip().splitlines()[-5:])
