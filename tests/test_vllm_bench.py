@@ -121,3 +121,19 @@ def test_the_where_command_reports_a_missing_install(tmp_path: Path, capsys: pyt
 
     assert vllm_tool.main(["where", "--cache-dir", str(tmp_path)]) == 1
     assert "lightning_spec.export.vllm build" in capsys.readouterr().err
+
+
+def test_k_pick_and_batched_rows(bench_script) -> None:  # noqa: ANN001
+    module = bench_script("vllm_bench")
+    # alpha 0.5 at every depth: E[tau(K)] = 1.5, 1.75, 1.875; steps cost 1.0, 1.1, 1.5 s
+    pick = module.pick_k([0.5, 0.5, 0.5], {1: 1.0, 2: 1.1, 3: 1.5})
+    assert pick["k"] == 2 and pick["predicted_tokens_per_second"][2] == pytest.approx(1.75 / 1.1)
+    raw = {"modes": {
+        "plain": {"batched": {"2": {"seconds": 2.0, "tokens": [[1, 2, 3], [4, 5]]}}},
+        "eagle3@2": {"batched": {"2": {"seconds": 1.0, "tokens": [[1, 2, 3], [4, 6]]}}},
+    }}  # fmt: skip
+    results = to_prompt_results({"modes": {"plain": {"prompts": [
+        {"tokens": [1, 2, 3], "seconds": 1.0}, {"tokens": [4, 5], "seconds": 1.0}]}}})  # fmt: skip
+    rows = module.batched_rows(raw, results)["2"]
+    assert rows["plain"]["tok_per_s"] == pytest.approx(2.5) and rows["eagle3@2"]["speedup"] == pytest.approx(2.0)
+    assert rows["eagle3@2"]["mismatches_vs_plain"] == 1 and rows["plain"]["mismatches_vs_plain"] == 0
