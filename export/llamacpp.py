@@ -262,12 +262,9 @@ def convert_dflash(
     config = json.loads((Path(drafter_dir) / "config.json").read_text())
     if drafter_type_of(config) != "dflash":
         raise ValueError(f"{drafter_dir} is not a DFlash drafter folder")
-    dflash = config.get("dflash_config") or {}
-    problems = []
-    if dflash.get("mask_token_id") is None:
-        problems.append("its MASK input is a learned vector: train with mask_token_id (e.g. auto)")
-    if config.get("anchor_feature"):
-        problems.append("anchor_feature: llama.cpp has no anchor projection")
+    from lightning_spec.models.drafters.dflash import DFlashDrafter
+
+    problems = DFlashDrafter.from_config_dict(config).engine_layout_problems()
     if int(config.get("draft_vocab_size", config.get("vocab_size", 0))) != int(config.get("vocab_size", -1)):
         problems.append(
             f"a reduced draft vocabulary ({config.get('draft_vocab_size')} of "
