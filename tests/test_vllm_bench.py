@@ -106,6 +106,12 @@ def test_environment_settings_and_a_missing_install(tmp_path: Path) -> None:
     (stamp / "BUILT.json").write_text(json.dumps({"preload": []}))
     with pytest.raises(VllmMissing, match="reinstall"):  # stamped, but the venv is gone
         find_vllm("0.32.0", cache_dir=tmp_path)
+    (stamp / "venv" / "bin").mkdir(parents=True)
+    (stamp / "venv" / "bin" / "python").touch()
+    (stamp / "venv" / "lib").mkdir()
+    (stamp / "venv" / "lib" / "libiomp5.so").touch()
+    # the preload is looked up when the install is found, not frozen in the stamp
+    assert find_vllm("0.32.0", cache_dir=tmp_path).preload[-1] == str(stamp / "venv" / "lib" / "libiomp5.so")
 
 
 def test_an_external_vllm_runs_without_the_cpu_settings(tmp_path: Path) -> None:
