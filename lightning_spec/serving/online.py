@@ -148,6 +148,7 @@ def run_stream(
     update_every: int = 1,
     replay: bool = True,
     update_beside: bool = False,
+    engine: Any = None,
 ) -> list[dict[str, Any]]:
     """Serve `requests` in rounds with `strategy` (see the module docstring); returns the
     request log. `logger` (optional) gets ``log_metrics(dict, step)`` per round; `guard`
@@ -165,12 +166,21 @@ def run_stream(
     greedy answer instead (rows get ``greedy_match``, rounds ``greedy_mismatches``): the live
     confirmation of a replayed comparison, and a losslessness check on every request.
     `update_beside`: each update runs in a worker thread while the next round is served
-    (`serving.beside`); ``update_seconds`` is then only what the server waited for it."""
+    (`serving.beside`); ``update_seconds`` is then only what the server waited for it.
+    `engine` (a `serving.engines.ServingEngine`, e.g. vLLM): the engine serves each round with the
+    drafter it holds; the learner rebuilds the feedback by replaying each reply
+    (`replay_request`, its seconds charged to the update) and after each update pushes the new
+    drafter into the running engine (`serving.engines.publish`, charged too). Rows then carry
+    the engine's tau (``tau``) beside our replay's (``replay_tau``): equal at T = 0 when the
+    engine drafts as our decoder does."""
     if update_every < 1:
         raise ValueError(f"update_every must be >= 1, got {update_every}")
     if update_beside and (guard is not None or regret_window > 0):
         raise ValueError("update_beside runs updates while serving: it cannot be combined with "
                          "a safety guard or a regret window, which read the drafter in between")  # fmt: skip
+    if engine is not None and (update_beside or (continuations is not None and replay)):
+        raise ValueError("an engine serves every request live: it cannot be combined with "
+                         "update_beside or with replayed continuations")  # fmt: skip
     require_drafter_policy(policy, "the OnlineSpec stream (it learns from the rejected drafts)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,6 +204,8 @@ def run_stream(
         if launch_pending and start_round < total_rounds:
             beside.launch(pending)  # the update the killed run had started
             pending = []
+    if engine is not None and start_round > 0 and strategy.name != "frozen":
+        _publish(engine, strategy, out)  # a new engine serves the drafter the run resumes with
     logged = [r for r in _read_lines(out / REQUESTS) if r["round"] < start_round]
     _write_lines(out / REQUESTS, logged)  # drop what an unfinished round logged
     rounds = [r for r in _read_lines(out / ROUNDS) if r["round"] < start_round]
@@ -208,7 +220,15 @@ def run_stream(
                 target, drafter, policy, keep_features=True, keep_labels=labels
             )
             generations = []
-            for offset, request in enumerate(chunk):
+            if engine is not None:
+                generations, rows, feedback_seconds = _engine_round(
+                    engine, target, drafter, policy, index, chunk, max_new_tokens, labels,
+                    None if continuations is None else continuations[index * round_size :],
+                )  # fmt: skip
+                for row in rows:
+                    logged.append(row)
+                    _append(out / REQUESTS, row)
+            for offset, request in enumerate(chunk if engine is None else []):
                 greedy = None if continuations is None else continuations[index * round_size + offset]
                 if greedy and replay:
                     result = replay_request(
@@ -235,12 +255,20 @@ def run_stream(
             elif due:
                 update = _guarded_update(target, strategy, policy, pending, guard)
                 pending = []
+                if engine is not None and strategy.name != "frozen":
+                    update = {**update, **_publish(engine, strategy, out)}
+                    update["update_seconds"] += update["push_seconds"]
             else:
                 update = {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0,
                           "skipped_update": 1.0}  # fmt: skip
+            if engine is not None:  # rebuilding the feedback is the learner's cost
+                update = {**update, "feedback_seconds": feedback_seconds,
+                          "update_seconds": update["update_seconds"] + feedback_seconds}  # fmt: skip
             summary = {"round": index, "strategy": strategy.name,
                        **_round_figures(generations, logged[-len(chunk) :], update),
                        **prequential_summary(logged)}  # fmt: skip
+            if engine is not None:
+                summary["replay_tau"], summary["tau"] = summary["tau"], _rows_tau(logged[-len(chunk) :])
             launch = due and beside is not None and index < total_rounds - 1
             with atomic_path(checkpoint) as tmp:  # the strategy is idle here, also beside serving
                 torch.save({"round": index, "strategy": strategy.state_dict(), "pending": pending,
@@ -342,6 +370,56 @@ def regret_proxy(strategy: OnlineStrategy, window: list[tuple[dict, list[Any]]])
     served = sum(table[t][t] for t in range(len(window)))
     best = min(sum(row) for row in table)
     return served - best
+
+
+SERVED_DRAFTER = "served-drafter"
+
+
+def _publish(engine: Any, strategy: OnlineStrategy, out: Path) -> dict[str, Any]:
+    from lightning_spec.serving.engines import publish
+
+    result = publish(engine, strategy.drafter, out / SERVED_DRAFTER)
+    if result.get("push_failed"):
+        log.warning("the engine kept its previous drafter: %s", result.get("push_error"))
+    return {k: v for k, v in result.items() if k != "push_error"}
+
+
+def _engine_round(
+    engine: Any,
+    target: Any,
+    drafter: Any,
+    policy: TreePolicy,
+    index: int,
+    chunk: Sequence[Request],
+    max_new_tokens: int,
+    labels: int,
+    greedy: Sequence[Sequence[int]] | None,
+) -> tuple[list[Any], list[dict[str, Any]], float]:
+    """A round served by `engine`: the feedback rebuilt by replaying each reply with the drafter
+    the engine was given, the request rows (the engine's tau and decode seconds), and the
+    seconds the replays took."""
+    from lightning_spec.serving.engines import engine_tau
+
+    served = engine.serve([r.prompt for r in chunk], max_new_tokens)
+    tic = time.perf_counter()
+    generations, rows = [], []
+    for offset, (request, item) in enumerate(zip(chunk, served, strict=True)):
+        result = replay_request(target, drafter, policy, request.prompt, item.tokens, keep_labels=labels)
+        result.total_seconds = item.seconds
+        known = None if greedy is None else greedy[offset]
+        row = _request_row(index, request, result, known, replayed=False)
+        tau, steps = engine_tau([item])
+        row.update(replay_tau=row["tau"], tau=tau, verifications=steps, engine=engine.name,
+                   engine_drafter=engine.served[:12])  # fmt: skip
+        generations.append(result)
+        rows.append(row)
+    return generations, rows, time.perf_counter() - tic
+
+
+def _rows_tau(rows: Sequence[dict[str, Any]]) -> float:
+    """A round's tau from its rows' own tau and verify steps (committed over steps)."""
+    steps = sum(r["verifications"] for r in rows)
+    return sum(r["tau"] * r["verifications"] for r in rows if r["verifications"]) / steps if steps else float("nan")
 
 
 def _request_row(

@@ -19,18 +19,16 @@ from lightning_spec.bench.engines import PromptResult
 from lightning_spec.bench.vllm import to_prompt_results, vllm_mode
 from lightning_spec.export.vllm import VllmEnv
 from lightning_spec.io import sha256_file
+from lightning_spec.serving.engines import PushFailed
 
-__all__ = ["PushFailed", "VllmOnlineEngine"]
+__all__ = ["VllmOnlineEngine"]
 
 WORKER = Path(__file__).with_name("vllm_online_worker.py")
 
 
-class PushFailed(RuntimeError):
-    """The engine refused or could not load a drafter; it serves the previous one."""
-
-
 class VllmOnlineEngine:
-    """vLLM serving `drafter` (EAGLE-3 at `k` drafts a step, T = 0) until `close`."""
+    """vLLM serving `drafter` (EAGLE-3 at `k` drafts a step, T = 0) until `close`: a
+    `serving.engines.ServingEngine`."""
 
     def __init__(
         self,

@@ -1,0 +1,142 @@
+"""OnlineSpec with an engine serving (the shape of `online --engine vllm`), run with our own decoder
+as the engine: every round is served by the drafter the engine holds, each update is pushed into
+it, a failed push leaves it serving the previous drafter, and every output stays greedy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_spec.decoding.build import parse_tree_spec
+from lightning_spec.decoding.engine import autoregressive_generate
+from lightning_spec.io import sha256_file
+from lightning_spec.models.target import TargetModel
+from lightning_spec.models.tiny import tiny_config
+from lightning_spec.objectives.online import make_strategy
+from lightning_spec.serving.engines import DecoderEngine, engine_tau
+from lightning_spec.serving.online import SERVED_DRAFTER, run_stream
+from lightning_spec.serving.stream import Request
+from tests.conftest import load_module
+
+HELPERS = load_module(Path(__file__).parents[1] / "objectives" / "test_sft.py", "sft_helpers_engine")
+POLICY = "chain:3"
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
+
+
+def _requests(count: int) -> list[Request]:
+    generator = torch.Generator().manual_seed(4)
+    return [Request(i, "a", f"r{i}", torch.randint(3, 128, (6,), generator=generator).tolist())
+            for i in range(count)]  # fmt: skip
+
+
+def _engine(target: TargetModel, folder: Path, fail_on_push: int | None = None) -> DecoderEngine:
+    drafter = HELPERS._drafter(target)
+    drafter.save_pretrained(folder)
+    engine = DecoderEngine(target, folder, parse_tree_spec(POLICY))
+    if fail_on_push is not None:
+        calls = {"n": 0}
+        load = engine._load
+
+        def flaky(tensors):  # noqa: ANN001, ANN202 - the engine dies mid-load on that push
+            calls["n"] += 1
+            if calls["n"] == fail_on_push:
+                items = list(tensors)  # half the tensors land, then the engine dies
+                engine.drafter.load_state_dict(dict(items[: len(items) // 2]), strict=False)
+                raise RuntimeError("engine died mid-load")
+            load(tensors)
+
+        engine._load = flaky
+    return engine
+
+
+def test_each_update_is_pushed_into_the_engine_that_serves_the_next_round(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    engine = _engine(target, tmp_path / "start")
+    first = engine.served
+    requests = _requests(4)
+    greedy = [autoregressive_generate(target, r.prompt, 10, stop_on_eos=False) for r in requests]
+    strategy = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    rows = run_stream(
+        target, strategy, parse_tree_spec(POLICY), requests, out_dir=tmp_path / "run",
+        round_size=2, max_new_tokens=10, continuations=greedy, replay=False, engine=engine,
+    )  # fmt: skip
+    assert all(r["greedy_match"] for r in rows)  # the engine's outputs are the target's greedy text
+    # our decoder as the engine drafts as the replay does: its tau is the replay's, per request
+    assert all(r["tau"] == pytest.approx(r["replay_tau"]) for r in rows)
+    assert [r["engine_drafter"] for r in rows[:2]] == [first[:12]] * 2
+    served = sha256_file(tmp_path / "run" / SERVED_DRAFTER / "model.safetensors")
+    assert engine.served == served != first  # the last update is what the engine serves now
+    assert rows[2]["engine_drafter"] == rows[3]["engine_drafter"] != first[:12]
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert all(r["push_failed"] == 0.0 and r["push_seconds"] > 0 for r in rounds)
+    # the pushes and the replays that rebuild the feedback are charged to the update
+    assert all(r["update_seconds"] >= r["push_seconds"] + r["feedback_seconds"] for r in rounds)
+
+
+def test_a_failed_push_leaves_the_previous_drafter_serving(target: TargetModel, tmp_path: Path) -> None:
+    engine = _engine(target, tmp_path / "start", fail_on_push=1)
+    first = engine.served
+    strategy = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    rows = run_stream(
+        target, strategy, parse_tree_spec(POLICY), _requests(4), out_dir=tmp_path / "run",
+        round_size=2, max_new_tokens=10, engine=engine,
+    )  # fmt: skip
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["push_failed"] for r in rounds] == [1.0, 0.0]
+    # round 1 was served by the drafter from before the failed push, restored whole
+    assert rows[2]["engine_drafter"] == first[:12]
+    assert engine.served != first
+    with pytest.raises(ValueError, match="an engine serves every request live"):
+        run_stream(target, strategy, parse_tree_spec(POLICY), _requests(2), out_dir=tmp_path / "x",
+                   engine=engine, update_beside=True)  # fmt: skip
+
+
+def test_a_push_dying_mid_load_restores_the_served_weights(target: TargetModel, tmp_path: Path) -> None:
+    from lightning_spec.serving.engines import PushFailed
+
+    engine = _engine(target, tmp_path / "start", fail_on_push=1)
+    before = {k: v.clone() for k, v in engine.drafter.state_dict().items()}
+    other = HELPERS._drafter(target, noise=0.5)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(PushFailed, match="mid-load"):
+        engine.push(tmp_path / "other")
+    after = engine.drafter.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    engine.push(tmp_path / "other")  # the next push goes through
+    assert engine.served == sha256_file(tmp_path / "other" / "model.safetensors")
+    assert not all(torch.equal(before[k], engine.drafter.state_dict()[k]) for k in before)
+
+
+def test_engine_tau_counts_the_targets_token_at_every_step() -> None:
+    from lightning_spec.bench.engines import PromptResult
+
+    results = [PromptResult([1, 2, 3], 1.0, meta={"accepted_lengths": [2, 0]}),
+               PromptResult([4], 1.0, meta={"accepted_lengths": [1]})]  # fmt: skip
+    assert engine_tau(results) == (pytest.approx((3 + 3) / 3), 3)
+
+
+def test_the_vllm_engine_config_is_checked_before_anything_loads(tmp_path: Path) -> None:
+    from lightning_spec.cli.online import load_config
+
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    path = tmp_path / "online.yaml"
+    path.write_text(f"drafter: {folder}\nstream: [{{source: mtbench, count: 4}}]\nengine: vllm\n")
+    with pytest.raises(ValueError, match="chain:K"):
+        load_config(path)
+    assert load_config(path, {"tree": "chain:3"})["engine"] == "vllm"
+    with pytest.raises(ValueError, match="replay"):
+        load_config(path, {"tree": "chain:3", "replay": True})
+    with pytest.raises(ValueError, match="drafter folder"):
+        load_config(path, {"tree": "chain:3", "drafter": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match="engine must be"):
+        load_config(path, {"engine": "sglang"})
