@@ -238,3 +238,27 @@ def _finite(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def drafter_from_checkpoint(ckpt: str | Path, like: str | Path, out: str | Path) -> Path:
+    """The drafter inside a Lightning checkpoint (`last.ckpt`, or the one a killed run saved on
+    its way down) written as a drafter folder at `out`, with the config of `like` (a drafter
+    folder of the same run: its architecture and vocabulary). The folder that `DrafterCheckpoint`
+    writes holds the drafter of the last validation; this gives the drafter of any step a
+    checkpoint holds."""
+    import torch
+
+    from lightning_spec.models.drafters.base import DRAFTER_TYPES, drafter_type_of
+
+    config = json.loads((Path(like) / "config.json").read_text())
+    drafter = DRAFTER_TYPES[drafter_type_of(config)].from_config_dict(config)
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    weights = {k.removeprefix("drafter."): v for k, v in state["state_dict"].items() if k.startswith("drafter.")}
+    if not weights:
+        raise ValueError(f"{ckpt} holds no drafter weights (no 'drafter.' keys)")
+    drafter.load_state_dict(weights)
+    with atomic_folder(out) as staging:
+        drafter.save_pretrained(staging)
+        step = {"global_step": int(state.get("global_step", -1)), "checkpoint": str(ckpt)}
+        (staging / "training_state.json").write_text(json.dumps(step, indent=2))
+    return Path(out)
