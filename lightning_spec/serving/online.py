@@ -188,6 +188,9 @@ def run_stream(
     pending: list[Any] = []  # served generations not learned from yet (update_every > 1)
     launch_pending = False  # update_beside: the checkpoint was taken just before a launch
     checkpoint = out / CHECKPOINT
+    # the drafter the engine serves (it starts with the strategy's first one): a failed push
+    # leaves the previous one serving, and the feedback must be replayed with that one
+    served = copy.deepcopy(strategy.drafter) if engine is not None else None
     if checkpoint.is_file():
         state = torch.load(checkpoint, map_location="cpu", weights_only=False)
         strategy.load_state_dict(state["strategy"])
@@ -205,7 +208,7 @@ def run_stream(
             beside.launch(pending)  # the update the killed run had started
             pending = []
     if engine is not None and start_round > 0 and strategy.name != "frozen":
-        _publish(engine, strategy, out)  # a new engine serves the drafter the run resumes with
+        _publish(engine, strategy, out, served)  # a new engine serves the resumed drafter
     logged = [r for r in _read_lines(out / REQUESTS) if r["round"] < start_round]
     _write_lines(out / REQUESTS, logged)  # drop what an unfinished round logged
     rounds = [r for r in _read_lines(out / ROUNDS) if r["round"] < start_round]
@@ -215,29 +218,17 @@ def run_stream(
         for index in range(start_round, total_rounds):
             chunk = requests[index * round_size : (index + 1) * round_size]
             labels = strategy.label_top_k  # soft labels: kept as served
-            drafter = strategy.drafter if beside is None else beside.served
-            decoder = SpeculativeDecoder(
-                target, drafter, policy, keep_features=True, keep_labels=labels
-            )
-            generations = []
+            known = None if continuations is None else continuations[index * round_size :]
             if engine is not None:
                 generations, rows, feedback_seconds = _engine_round(
-                    engine, target, drafter, policy, index, chunk, max_new_tokens, labels,
-                    None if continuations is None else continuations[index * round_size :],
-                )  # fmt: skip
-                for row in rows:
-                    logged.append(row)
-                    _append(out / REQUESTS, row)
-            for offset, request in enumerate(chunk if engine is None else []):
-                greedy = None if continuations is None else continuations[index * round_size + offset]
-                if greedy and replay:
-                    result = replay_request(
-                        target, drafter, policy, request.prompt, greedy, keep_labels=labels
-                    )
-                else:
-                    result = decoder.generate(request.prompt, max_new_tokens)
-                generations.append(result)
-                row = _request_row(index, request, result, greedy, replayed=bool(greedy and replay))
+                    engine, target, served, policy, index, chunk, max_new_tokens, labels, known
+                )
+            else:
+                drafter = strategy.drafter if beside is None else beside.served
+                generations, rows = _serve_round(
+                    target, drafter, policy, index, chunk, max_new_tokens, labels, known, replay
+                )
+            for row in rows:
                 logged.append(row)
                 _append(out / REQUESTS, row)
             if record_feedback:
@@ -256,7 +247,7 @@ def run_stream(
                 update = _guarded_update(target, strategy, policy, pending, guard)
                 pending = []
                 if engine is not None and strategy.name != "frozen":
-                    update = {**update, **_publish(engine, strategy, out)}
+                    update = {**update, **_publish(engine, strategy, out, served)}
                     update["update_seconds"] += update["push_seconds"]
             else:
                 update = {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0,
@@ -375,13 +366,43 @@ def regret_proxy(strategy: OnlineStrategy, window: list[tuple[dict, list[Any]]])
 SERVED_DRAFTER = "served-drafter"
 
 
-def _publish(engine: Any, strategy: OnlineStrategy, out: Path) -> dict[str, Any]:
+def _publish(engine: Any, strategy: OnlineStrategy, out: Path, served: Any) -> dict[str, Any]:
+    """Push the strategy's drafter into `engine`; on success `served` (our copy of what the
+    engine serves) takes its weights, on failure it keeps the previous ones, as the engine does."""
     from lightning_spec.serving.engines import publish
 
     result = publish(engine, strategy.drafter, out / SERVED_DRAFTER)
     if result.get("push_failed"):
         log.warning("the engine kept its previous drafter: %s", result.get("push_error"))
+    else:
+        served.load_state_dict(strategy.drafter.state_dict())
     return {k: v for k, v in result.items() if k != "push_error"}
+
+
+def _serve_round(
+    target: Any,
+    drafter: Any,
+    policy: TreePolicy,
+    index: int,
+    chunk: Sequence[Request],
+    max_new_tokens: int,
+    labels: int,
+    known: Sequence[Sequence[int]] | None,
+    replay: bool,
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """A round served by our own decoder: each request decoded live, or replayed exactly from
+    its known greedy answer (T = 0) when `replay`; the generations and the request rows."""
+    decoder = SpeculativeDecoder(target, drafter, policy, keep_features=True, keep_labels=labels)
+    generations, rows = [], []
+    for offset, request in enumerate(chunk):
+        greedy = None if known is None else known[offset]
+        if greedy and replay:
+            result = replay_request(target, drafter, policy, request.prompt, greedy, keep_labels=labels)
+        else:
+            result = decoder.generate(request.prompt, max_new_tokens)
+        generations.append(result)
+        rows.append(_request_row(index, request, result, greedy, replayed=bool(greedy and replay)))
+    return generations, rows
 
 
 def _engine_round(

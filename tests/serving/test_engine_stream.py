@@ -91,8 +91,10 @@ def test_a_failed_push_leaves_the_previous_drafter_serving(target: TargetModel, 
     )  # fmt: skip
     rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
     assert [r["push_failed"] for r in rounds] == [1.0, 0.0]
-    # round 1 was served by the drafter from before the failed push, restored whole
+    # round 1 was served by the drafter from before the failed push, restored whole, and its
+    # feedback was replayed with that drafter, not with the update the engine refused
     assert rows[2]["engine_drafter"] == first[:12]
+    assert all(r["tau"] == pytest.approx(r["replay_tau"]) for r in rows)
     assert engine.served != first
     with pytest.raises(ValueError, match="an engine serves every request live"):
         run_stream(target, strategy, parse_tree_spec(POLICY), _requests(2), out_dir=tmp_path / "x",
@@ -140,3 +142,39 @@ def test_the_vllm_engine_config_is_checked_before_anything_loads(tmp_path: Path)
         load_config(path, {"tree": "chain:3", "drafter": str(tmp_path / "none")})
     with pytest.raises(ValueError, match="engine must be"):
         load_config(path, {"engine": "sglang"})
+
+
+def test_feedback_is_replayed_with_the_drafter_the_engine_still_serves(
+    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every push is refused, so the engine serves its first drafter throughout while the learner
+    moves away from it: the feedback must be rebuilt with the served drafter's weights."""
+    import lightning_spec.serving.online as online
+    from lightning_spec.serving.engines import PushFailed
+
+    engine = _engine(target, tmp_path / "start")
+    first = engine.served
+    start = {k: v.clone() for k, v in engine.drafter.state_dict().items()}
+
+    def refuse(folder: Path) -> None:
+        raise PushFailed("refused")
+
+    engine.push = refuse
+    replayed_with: list[bool] = []
+    real = online.replay_request
+
+    def spy(target, drafter, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        weights = drafter.state_dict()
+        replayed_with.append(all(torch.equal(start[k], weights[k]) for k in start))
+        return real(target, drafter, *args, **kwargs)
+
+    monkeypatch.setattr(online, "replay_request", spy)
+    strategy = make_strategy("ogd", HELPERS._drafter(target), lr=0.1, steps_per_round=2)
+    rows = run_stream(
+        target, strategy, parse_tree_spec(POLICY), _requests(6), out_dir=tmp_path / "run",
+        round_size=2, max_new_tokens=10, engine=engine,
+    )  # fmt: skip
+    assert {r["engine_drafter"] for r in rows} == {first[:12]}
+    assert replayed_with == [True] * 6  # every round, the refused updates included
+    learned = strategy.drafter.state_dict()
+    assert any(not torch.equal(start[k], learned[k]) for k in start)  # the learner did move
