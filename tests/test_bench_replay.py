@@ -111,3 +111,39 @@ def test_cli_replay(tmp_path: Path) -> None:
     assert bench_cli.main([*common, "--tree", "chain:2", "--temperature", "1.0"]) == 2
     self_only = [a if a != str(drafter) else "self" for a in common]
     assert bench_cli.main([*self_only, "--tree", "chain:2"]) == 2
+
+
+def test_a_seeded_cache_replays_without_generating_and_cuts_a_wrong_answer(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    """`bench/seed_replay_cache.py`'s core: an earlier run's per-prompt text seeds a new cache
+    that the replay reads as it is (nothing generated, the same steps); an answer that is not
+    this target's greedy text is cut at its first wrong token, and counted."""
+    from lightning_spec.bench.replay import _requests
+    from lightning_spec.serving.continuations import seed_continuations
+    from tests.conftest import load_module
+
+    seeder = load_module(Path(__file__).parents[1] / "bench" / "seed_replay_cache.py", "seeder")
+    drafters = {"eagle": Eagle3Drafter.from_target(target, seed=3)}
+    datasets = {"toy": _prompts(3, seed=5)}
+    first = replay_bench(target, drafters, ["chain:3"], datasets, max_new_tokens=16,
+                         cache=tmp_path / "a.jsonl", progress=False, resamples=20)  # fmt: skip
+    answers = seeder.answers_by_prompt(first)
+    requests = _requests(datasets)
+    known = [answers[(r.domain, r.index)] for r in requests]
+    cache = tmp_path / "b.jsonl"
+    assert seed_continuations(target, requests, known, max_new_tokens=16, cache=cache) == (3, 0)
+    before = cache.read_text()
+    again = replay_bench(target, drafters, ["chain:3"], datasets, max_new_tokens=16, cache=cache,
+                         progress=False, resamples=20)  # fmt: skip
+    assert cache.read_text() == before  # every answer came from the seeded cache
+    assert [p["methods"] for p in again["per_prompt"]] == [p["methods"] for p in first["per_prompt"]]
+    with pytest.raises(FileExistsError):
+        seed_continuations(target, requests, known, max_new_tokens=16, cache=cache)
+    wrong = [list(a) for a in known]
+    wrong[1][4] = (wrong[1][4] + 1) % 128  # not the argmax there
+    written, cut = seed_continuations(target, requests, wrong, max_new_tokens=16,
+                                      cache=tmp_path / "c.jsonl")  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()[1:]]
+    assert (written, cut) == (3, 1)
+    assert rows[1]["tokens"] == known[1][:4] and rows[1]["cut"]
