@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from lightning_spec import specs
-    from lightning_spec.bench.replay import _requests
-    from lightning_spec.data.assets import cache_root
+    from lightning_spec.bench.replay import _requests, default_cache
     from lightning_spec.serving.continuations import seed_continuations
 
     result = json.loads(Path(args.result).read_text())
@@ -68,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         datasets[name] = items
     cache = args.replay_cache
     if cache is None:  # the path `bench --replay` uses for these flags
-        sets = "+".join(sorted(datasets))
-        name = f"{sets}-limit{args.limit}-{args.selection}-new{args.max_new_tokens}.jsonl"
-        cache = cache_root() / "bench-replay" / str(getattr(target, "name", "target")) / name
+        cache = default_cache(target, datasets, args.limit, args.selection, args.max_new_tokens)
     requests = _requests(datasets)
     known = [answers.get((r.domain, r.index)) for r in requests]
     try:

@@ -29,7 +29,18 @@ from lightning_spec.bench.report import TAU_NOTE, clean_floats
 from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.metrics import attempted_depth
 
-__all__ = ["replay_bench", "replay_markdown"]
+__all__ = ["default_cache", "replay_bench", "replay_markdown"]
+
+
+def default_cache(
+    target: Any, datasets: Mapping[str, Any], limit: int | None, selection: str, max_new_tokens: int
+) -> Path:
+    """Where `bench --replay` keeps the greedy answers of these prompt sets and flags."""
+    from lightning_spec.data.assets import cache_root
+
+    sets = "+".join(sorted(datasets))
+    name = f"{sets}-limit{limit}-{selection}-new{max_new_tokens}.jsonl"
+    return cache_root() / "bench-replay" / str(getattr(target, "name", "target")) / name
 
 
 def _requests(datasets: Mapping[str, Sequence[tuple[list[int], dict[str, Any]]]]) -> list[Any]:

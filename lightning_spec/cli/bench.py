@@ -302,7 +302,7 @@ def _replay(
     config: dict[str, Any],
 ) -> int:
     """`bench --replay` (lightning_spec.bench.replay): tau by exact replay, no speeds."""
-    from lightning_spec.bench.replay import replay_bench, replay_markdown
+    from lightning_spec.bench.replay import default_cache, replay_bench, replay_markdown
     from lightning_spec.bench.report import dumps_result
 
     lookup = isinstance(trees, list) and any("+lookup" in t for t in trees)
@@ -316,11 +316,7 @@ def _replay(
         return 2
     cache = args.replay_cache
     if cache is None:
-        from lightning_spec.data.assets import cache_root
-
-        sets = "+".join(sorted(datasets))
-        name = f"{sets}-limit{args.limit}-{args.selection}-new{args.max_new_tokens}.jsonl"
-        cache = cache_root() / "bench-replay" / str(getattr(target, "name", "target")) / name
+        cache = default_cache(target, datasets, args.limit, args.selection, args.max_new_tokens)
     try:
         result = replay_bench(
             target, drafters, trees, datasets, max_new_tokens=args.max_new_tokens, cache=cache,
