@@ -160,12 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["batched"] = batched_rows(raw, results)
     report["tokens"] = {m: [r.tokens for r in rs] for m, rs in results.items()}
+    report["seconds"] = {m: [r.seconds for r in rs] for m, rs in results.items()}
     for name, row in rows.items():
         parity = row.get("parity")
         print(
             f"{name:>10}: {row['tok_per_s'] or 0:7.1f} tok/s  x{row.get('speedup') or 1:.3f} "
             f"{row.get('speedup_ci') or ''}  tau {row['tau'] or 0:.3f}  "
             f"mm/plain {row.get('mismatches_vs_plain', '-')}  mm/ngram {row.get('mismatches_vs_ngram', '-')}"
+            + (f"  x{row['speedup_vs_ngram']:.3f} ngram {row['speedup_vs_ngram_ci']}"
+               if "speedup_vs_ngram" in row else "")
             + (f"  parity {sum(parity)}/{len(parity)}" if parity else ""),
             flush=True,
         )

@@ -50,6 +50,11 @@ def test_summary_speedup_tau_and_mismatches() -> None:
     assert rows["eagle3@3"]["mismatches_vs_self"] == 1
     assert rows["self@3"]["mismatches_vs_plain"] == 0
     assert "speedup" not in rows["plain"]
+    # against the reference mode on the same prompts: pooled rates 10 vs 8 / 0.6
+    assert rows["eagle3@3"]["speedup_vs_self"] == pytest.approx((8 / 0.8) / (8 / 0.6))
+    low, high = rows["eagle3@3"]["speedup_vs_self_ci"]
+    assert low <= rows["eagle3@3"]["speedup_vs_self"] <= high
+    assert "speedup_vs_self" not in rows["self@3"] and "speedup_vs_self" not in rows["plain"]
 
 
 def test_chain_pick_from_the_cost_curve() -> None:

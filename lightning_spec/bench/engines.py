@@ -60,7 +60,9 @@ def summarize(
 ) -> dict[str, Any]:
     """Per mode: tok/s, speedup over `baseline` (paired bootstrap over prompts), the engine's
     acceptance, tau, and greedy mismatches against `baseline` and against `reference` (llama.cpp:
-    the self-drafting mode; vLLM: ``ngram``), keyed ``mismatches_vs_<reference_label>``."""
+    the self-drafting mode; vLLM: ``ngram``), keyed ``mismatches_vs_<reference_label>``; and the
+    speedup over `reference` on the same prompts, paired the same way
+    (``speedup_vs_<reference_label>``), so "faster than ngram" comes with its own interval."""
     base = results[baseline]
     rows: dict[str, Any] = {}
     for name, items in results.items():
@@ -82,6 +84,14 @@ def summarize(
                 resamples=resamples,
             )
             row["speedup"], row["speedup_ci"] = speed["total"], speed["total_ci"]
+        if reference in results and name not in (reference, baseline):
+            other = results[reference]
+            speed = speedup_summary(
+                tokens, seconds, [len(r.tokens) for r in other], [r.seconds for r in other],
+                resamples=resamples,
+            )
+            row[f"speedup_vs_{reference_label}"] = speed["total"]
+            row[f"speedup_vs_{reference_label}_ci"] = speed["total_ci"]
         for label, other in (("plain", baseline), (reference_label, reference)):
             if other is None or other == name or other not in results:
                 continue
