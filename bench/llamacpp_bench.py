@@ -29,6 +29,7 @@ from typing import Any
 from lightning_spec.bench.engines import (
     engine_prompts,
     ours_tau,
+    ours_tau_interval,
     pick_chain,
     summarize,
     verifications,
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
     config = json.loads((args.drafter / "config.json").read_text())
+    method = config.get("drafter_type", "eagle3")
+    if method not in ("eagle3", "dflash"):
+        parser.error(f"llama.cpp serves eagle3 and dflash drafters, not {method}")
     target = args.target or config.get("target_model") or "smollm2"
     drafter_sha = sha256_file(args.drafter / "model.safetensors")
     workdir = args.workdir or cache_root() / "llamacpp" / "exports" / drafter_sha[:16]
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     n_maxes = [AUTO_DEPTH] if auto else [int(k) for k in _csv(args.n_max)]
     report: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "drafter": str(args.drafter), "drafter_sha256": drafter_sha,
+        "drafter": str(args.drafter), "drafter_sha256": drafter_sha, "method": method,
         "llamacpp": built.version, "threads": args.threads, "prompts": len(prompts),
         "datasets": _csv(args.dataset), "max_new_tokens": args.max_new_tokens,
         "p_min": args.p_min, "per_type": {},
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             chains = sorted({k for k in (best - 1, best, best + 1) if 1 <= k <= AUTO_DEPTH})
         modes = []
         for name in _csv(args.modes):
-            if name in ("eagle3", "self"):
+            if name in ("eagle3", "dflash", "self"):
+                name = method if name != "self" else name  # "eagle3" in --modes: the drafter's own type
                 modes += [mode_args(name, drafter_gguf=drafter_gguf, target_gguf=target_gguf, n_max=k, p_min=args.p_min) for k in chains]
             else:
                 modes.append(mode_args(name))
@@ -165,12 +170,18 @@ def main(argv: list[str] | None = None) -> int:
             k = int(name.split("@")[1]) if "@" in name else None
             if k is not None and row.get("tau"):
                 row["ceiling"] = row["tau"] * curve[1] / curve[k + 1]
+            ours = report.get("ours", {}).get(f"chain:{k}")
+            if name.startswith(f"{method}@") and ours and "accepted_lengths" in ours:
+                # llama.cpp reports totals, not positions: parity on tau, our interval over prompts
+                row["ours_tau_ci"] = ours_tau_interval(ours["accepted_lengths"])
+                low, high = row["ours_tau_ci"]["tau_ci"]
+                row["parity_tau"] = row["tau"] is not None and low <= row["tau"] <= high
         if pick is not None:
             # the drafter's measured cost per drafted token: decode time not spent verifying
             measured = []
             for k in chains:
-                row = rows[f"eagle3@{k}"]
-                items = results[f"eagle3@{k}"]
+                row = rows[f"{method}@{k}"]
+                items = results[f"{method}@{k}"]
                 verify = sum(verifications(r) for r in items) * curve[k + 1]
                 if row["drafted"]:
                     measured.append(max(sum(r.seconds for r in items) - verify, 0.0) / row["drafted"])
@@ -193,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"[{ttype}] {name:>16}: {row['tok_per_s'] or 0:7.1f} tok/s  x{row.get('speedup') or 1:.3f} "
                 f"{row.get('speedup_ci') or ''}  tau {row['tau'] or 0:.3f}  "
                 f"acc {row['acceptance'] if row['acceptance'] is not None else '-'}  "
-                f"mm/plain {row.get('mismatches_vs_plain', '-')}  mm/self {row.get('mismatches_vs_self', '-')}",
+                f"mm/plain {row.get('mismatches_vs_plain', '-')}  mm/self {row.get('mismatches_vs_self', '-')}"
+                + (f"  ours {row['ours_tau_ci']['tau']:.3f} {row['ours_tau_ci']['tau_ci']} parity {row['parity_tau']}"
+                   if "parity_tau" in row else ""),
                 flush=True,
             )
         atomic_write_json(args.output, report)

@@ -18,6 +18,9 @@ def test_mode_arguments() -> None:
         "-md", "d.gguf", "--spec-type", "draft-eagle3",
         "--spec-draft-n-max", "3", "--spec-draft-p-min", "0",
     )
+    dflash = mode_args("dflash", drafter_gguf=Path("b.gguf"), n_max=7)
+    assert dflash.name == "dflash@7"
+    assert dflash.args[:5] == ("-md", "b.gguf", "--spec-type", "draft-dflash", "--spec-draft-n-max")
     selfie = mode_args("self", target_gguf=Path("t.gguf"), n_max=4, p_min=0.5)
     assert selfie.args[:4] == ("-md", "t.gguf", "--spec-type", "draft-simple")
     assert selfie.args[-1] == "0.5"
@@ -67,3 +70,13 @@ def test_chain_pick_from_the_cost_curve() -> None:
     assert pick["n_max"] == 2
     assert pick["predicted_speedup"][2] == pytest.approx(2.44 / 1.3)
     assert pick_chain([0.1, 0.1], {1: 1.0, 2: 1.5, 3: 1.6}, draft_cost=0.0)["n_max"] == 1  # below 1x either way
+
+
+def test_our_tau_interval_from_accepted_lengths() -> None:
+    from lightning_spec.bench.engines import ours_tau_interval
+
+    # prompt 1: 3 verifications accepting 2, 0, 1 -> commits 6; prompt 2: 2 accepting 3, 3 -> 8
+    summary = ours_tau_interval([[2, 0, 1], [3, 3]], resamples=200)
+    assert summary["tau"] == pytest.approx(14 / 5)
+    low, high = summary["tau_ci"]
+    assert 2.0 <= low <= summary["tau"] <= high <= 4.0

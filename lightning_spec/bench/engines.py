@@ -26,6 +26,7 @@ __all__ = [
     "expected_tau",
     "engine_prompts",
     "ours_tau",
+    "ours_tau_interval",
     "pick_chain",
     "reach_per_position",
     "summarize",
@@ -167,6 +168,14 @@ def ours_tau(
         "tokens": tokens,
         "accepted_lengths": accepts,  # per prompt, per verification: for per-position intervals
     }
+
+
+def ours_tau_interval(accepted_lengths: Sequence[Sequence[int]], *, resamples: int = 2000) -> dict[str, Any]:
+    """Our decoder's tau with its 95% bootstrap interval over prompts, from `ours_tau`'s
+    accepted lengths (each verification commits its accepted drafts plus one token): the
+    parity check for an engine that reports totals, not positions (llama.cpp)."""
+    committed = [sum(lengths) + len(lengths) for lengths in accepted_lengths]
+    return tau_summary(committed, [len(lengths) for lengths in accepted_lengths], resamples=resamples)
 
 
 def reach_per_position(

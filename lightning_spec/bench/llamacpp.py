@@ -53,26 +53,27 @@ def mode_args(
     n_max: int = 4,
     p_min: float = 0.0,
 ) -> Mode:
-    """The `Mode` for ``plain``, ``eagle3``, ``self`` or an ngram spec type.
+    """The `Mode` for ``plain``, ``eagle3``, ``dflash``, ``self`` or an ngram spec type.
 
-    `n_max` is the chain length (``--spec-draft-n-max``); `p_min` (``--spec-draft-p-min``)
+    `n_max` is the chain length (``--spec-draft-n-max``; a DFlash drafter fills a block of
+    `n_max` + 1, so serve it at its block size - 1, as it was trained); `p_min` (``--spec-draft-p-min``)
     stops a chain early when the drafter's top probability falls below it (0: always draft
     `n_max`, which is what our ``chain:K`` does).
     """
     draft = ("--spec-draft-n-max", str(n_max), "--spec-draft-p-min", f"{p_min:g}")
     if name == "plain":
         return Mode(name)
-    if name == "eagle3":
+    if name in ("eagle3", "dflash"):
         if drafter_gguf is None:
-            raise ValueError("mode eagle3 needs the drafter's GGUF")
-        return Mode(f"eagle3@{n_max}", ("-md", str(drafter_gguf), "--spec-type", "draft-eagle3", *draft))
+            raise ValueError(f"mode {name} needs the drafter's GGUF")
+        return Mode(f"{name}@{n_max}", ("-md", str(drafter_gguf), "--spec-type", f"draft-{name}", *draft))
     if name == "self":
         if target_gguf is None:
             raise ValueError("mode self needs the target's GGUF")
         return Mode(f"self@{n_max}", ("-md", str(target_gguf), "--spec-type", "draft-simple", *draft))
     if name in NGRAM_TYPES:
         return Mode(name, ("--spec-type", name))
-    raise ValueError(f"unknown mode {name!r}: plain, eagle3, self or one of {NGRAM_TYPES}")
+    raise ValueError(f"unknown mode {name!r}: plain, eagle3, dflash, self or one of {NGRAM_TYPES}")
 
 
 def _free_port() -> int:
