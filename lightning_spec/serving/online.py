@@ -219,15 +219,14 @@ def run_stream(
             chunk = requests[index * round_size : (index + 1) * round_size]
             labels = strategy.label_top_k  # soft labels: kept as served
             known = None if continuations is None else continuations[index * round_size :]
+            this_round = _Round(index, chunk, max_new_tokens, labels, known)
             if engine is not None:
                 generations, rows, feedback_seconds = _engine_round(
-                    engine, target, served, policy, index, chunk, max_new_tokens, labels, known
+                    engine, target, served, policy, this_round
                 )
             else:
                 drafter = strategy.drafter if beside is None else beside.served
-                generations, rows = _serve_round(
-                    target, drafter, policy, index, chunk, max_new_tokens, labels, known, replay
-                )
+                generations, rows = _serve_round(target, drafter, policy, this_round, replay)
             for row in rows:
                 logged.append(row)
                 _append(out / REQUESTS, row)
@@ -379,56 +378,55 @@ def _publish(engine: Any, strategy: OnlineStrategy, out: Path, served: Any) -> d
     return {k: v for k, v in result.items() if k != "push_error"}
 
 
+@dataclass(frozen=True)
+class _Round:
+    """One round's requests and what serving them needs, whichever server serves them:
+    `known` holds the requests' greedy answers when the stream has them (else None)."""
+
+    index: int
+    requests: Sequence[Request]
+    max_new_tokens: int
+    labels: int  # soft labels kept per position (the strategy's label_top_k)
+    known: Sequence[Sequence[int]] | None
+
+
 def _serve_round(
-    target: Any,
-    drafter: Any,
-    policy: TreePolicy,
-    index: int,
-    chunk: Sequence[Request],
-    max_new_tokens: int,
-    labels: int,
-    known: Sequence[Sequence[int]] | None,
-    replay: bool,
+    target: Any, drafter: Any, policy: TreePolicy, this: _Round, replay: bool
 ) -> tuple[list[Any], list[dict[str, Any]]]:
     """A round served by our own decoder: each request decoded live, or replayed exactly from
     its known greedy answer (T = 0) when `replay`; the generations and the request rows."""
+    labels = this.labels
     decoder = SpeculativeDecoder(target, drafter, policy, keep_features=True, keep_labels=labels)
     generations, rows = [], []
-    for offset, request in enumerate(chunk):
-        greedy = None if known is None else known[offset]
+    for offset, request in enumerate(this.requests):
+        greedy = None if this.known is None else this.known[offset]
         if greedy and replay:
             result = replay_request(target, drafter, policy, request.prompt, greedy, keep_labels=labels)
         else:
-            result = decoder.generate(request.prompt, max_new_tokens)
+            result = decoder.generate(request.prompt, this.max_new_tokens)
         generations.append(result)
-        rows.append(_request_row(index, request, result, greedy, replayed=bool(greedy and replay)))
+        rows.append(_request_row(this.index, request, result, greedy, replayed=bool(greedy and replay)))
     return generations, rows
 
 
 def _engine_round(
-    engine: Any,
-    target: Any,
-    drafter: Any,
-    policy: TreePolicy,
-    index: int,
-    chunk: Sequence[Request],
-    max_new_tokens: int,
-    labels: int,
-    greedy: Sequence[Sequence[int]] | None,
+    engine: Any, target: Any, drafter: Any, policy: TreePolicy, this: _Round
 ) -> tuple[list[Any], list[dict[str, Any]], float]:
     """A round served by `engine`: the feedback rebuilt by replaying each reply with the drafter
     the engine was given, the request rows (the engine's tau and decode seconds), and the
     seconds the replays took."""
     from lightning_spec.serving.engines import engine_tau
 
-    served = engine.serve([r.prompt for r in chunk], max_new_tokens)
+    served = engine.serve([r.prompt for r in this.requests], this.max_new_tokens)
     tic = time.perf_counter()
     generations, rows = [], []
-    for offset, (request, item) in enumerate(zip(chunk, served, strict=True)):
-        result = replay_request(target, drafter, policy, request.prompt, item.tokens, keep_labels=labels)
+    for offset, (request, item) in enumerate(zip(this.requests, served, strict=True)):
+        result = replay_request(
+            target, drafter, policy, request.prompt, item.tokens, keep_labels=this.labels
+        )
         result.total_seconds = item.seconds
-        known = None if greedy is None else greedy[offset]
-        row = _request_row(index, request, result, known, replayed=False)
+        known = None if this.known is None else this.known[offset]
+        row = _request_row(this.index, request, result, known, replayed=False)
         tau, steps = engine_tau([item])
         row.update(replay_tau=row["tau"], tau=tau, verifications=steps, engine=engine.name,
                    engine_drafter=engine.served[:12])  # fmt: skip
