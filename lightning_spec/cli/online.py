@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["load_config", "main", "parse_value"]
+__all__ = ["check_engine_drafter", "load_config", "main", "parse_value"]
 
 KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_tokens",
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
@@ -99,8 +99,6 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
             raise ValueError(f"vLLM drafts a chain: set tree: chain:K with engine: vllm (got {tree})")
         if config.get("replay") or config.get("update_beside"):
             raise ValueError("engine: vllm serves every request live: replay and update_beside do not apply")
-        if not (Path(str(config["drafter"])) / "config.json").is_file():
-            raise ValueError("engine: vllm loads a drafter folder: drafter must be one")
     if config.get("replay") and config.get("live_check"):
         raise ValueError("live_check decodes live and checks each output against the cached "
                          "greedy answers: set replay: false with it")  # fmt: skip
@@ -110,6 +108,13 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
     ):
         raise ValueError("train_data must be a list of {source: ..., count: N} selections")
     return config
+
+
+def check_engine_drafter(config: dict[str, Any]) -> None:
+    """vLLM loads a drafter folder: checked before anything loads, but not by `load_config`,
+    since a config may name the folder a later step trains."""
+    if config["engine"] == "vllm" and not (Path(str(config["drafter"])) / "config.json").is_file():
+        raise ValueError(f"engine: vllm loads a drafter folder: {config['drafter']} is not one")
 
 
 def start_vllm_engine(config: dict[str, Any], out: Path) -> Any:
@@ -216,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides["out_dir"] = args.out_dir
     try:
         config = load_config(args.config, overrides)
+        check_engine_drafter(config)
     except ValueError as error:
         print(f"online: {error}", file=sys.stderr)
         return 2

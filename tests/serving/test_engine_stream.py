@@ -126,7 +126,7 @@ def test_engine_tau_counts_the_targets_token_at_every_step() -> None:
 
 
 def test_the_vllm_engine_config_is_checked_before_anything_loads(tmp_path: Path) -> None:
-    from lightning_spec.cli.online import load_config
+    from lightning_spec.cli.online import check_engine_drafter, load_config
 
     folder = tmp_path / "drafter"
     folder.mkdir()
@@ -138,8 +138,10 @@ def test_the_vllm_engine_config_is_checked_before_anything_loads(tmp_path: Path)
     assert load_config(path, {"tree": "chain:3"})["engine"] == "vllm"
     with pytest.raises(ValueError, match="replay"):
         load_config(path, {"tree": "chain:3", "replay": True})
+    missing = load_config(path, {"tree": "chain:3", "drafter": str(tmp_path / "none")})
     with pytest.raises(ValueError, match="drafter folder"):
-        load_config(path, {"tree": "chain:3", "drafter": str(tmp_path / "none")})
+        check_engine_drafter(missing)  # `online` checks it before loading anything
+    check_engine_drafter(load_config(path, {"tree": "chain:3"}))
     with pytest.raises(ValueError, match="engine must be"):
         load_config(path, {"engine": "sglang"})
 
