@@ -143,3 +143,11 @@ def test_k_pick_and_batched_rows(bench_script) -> None:  # noqa: ANN001
     rows = module.batched_rows(raw, results)["2"]
     assert rows["plain"]["tok_per_s"] == pytest.approx(2.5) and rows["eagle3@2"]["speedup"] == pytest.approx(2.0)
     assert rows["eagle3@2"]["mismatches_vs_plain"] == 1 and rows["plain"]["mismatches_vs_plain"] == 0
+
+
+def test_engines_side_by_side_share_the_kv_cache_budget() -> None:
+    from lightning_spec.bench.vllm import kv_cache_share
+
+    assert kv_cache_share(1) == 4 and kv_cache_share(3) == 4  # vLLM's default, as before
+    assert kv_cache_share(6) == 2  # --k auto's calibration: six engines
+    assert kv_cache_share(20) == 1  # never below 1 GiB

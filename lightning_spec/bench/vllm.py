@@ -26,6 +26,7 @@ from lightning_spec.export.vllm import VllmEnv
 __all__ = [
     "NGRAM_LOOKUP",
     "accepted_per_position",
+    "kv_cache_share",
     "vllm_mode",
     "run_vllm",
     "target_folder",
@@ -103,6 +104,14 @@ def accepted_per_position(items: Sequence[PromptResult], depth: int) -> dict[str
     return {"reach": reach, "alpha": alpha, "steps": steps}
 
 
+def kv_cache_share(engines: int, *, total_gib: int = 12, most_gib: int = 4) -> int:
+    """GiB of KV cache per engine when `engines` run side by side: `total_gib` shared, at most
+    `most_gib` and at least 1 each. `--k auto`'s calibration starts six engines, and six of
+    vLLM's default 4 GiB did not fit beside the models on a 24 GiB machine. 1 GiB holds ~23k
+    SmolLM2 tokens (46 KB each in fp32); a batch that needs more waits in vLLM's scheduler."""
+    return max(1, min(most_gib, total_gib // max(1, engines)))
+
+
 def run_vllm(
     env: VllmEnv,
     target: Path,
@@ -116,8 +125,12 @@ def run_vllm(
     dtype: str = "float32",
     log: Path | None = None,
     timeout: float | None = None,
+    kv_cache_gib: int | None = None,
 ) -> dict[str, Any]:
-    """Run the worker under vLLM's interpreter; its result (see `bench/vllm_worker.py`)."""
+    """Run the worker under vLLM's interpreter; its result (see `bench/vllm_worker.py`).
+
+    Every mode's engine stays up for the whole run, each with its own KV cache:
+    `kv_cache_gib` (default `kv_cache_share`) keeps them inside the machine's memory."""
     spec = {
         "target": str(target), "dtype": dtype, "modes": list(modes),
         "prompts": [[int(t) for t in ids] for ids in prompts],
@@ -130,7 +143,8 @@ def run_vllm(
         command = [str(env.python), str(WORKER), str(spec_path), str(result_path)]
         with open(log, "w") if log is not None else open(Path(tmp) / "log", "w") as handle:
             process = subprocess.run(
-                command, env=env.environ(), stdout=handle, stderr=subprocess.STDOUT,
+                command, env=env.environ(kv_cache_gib=kv_cache_gib or kv_cache_share(len(modes))),
+                stdout=handle, stderr=subprocess.STDOUT,
                 timeout=timeout, check=False, cwd=tmp,
             )  # fmt: skip
         if process.returncode != 0 or not result_path.is_file():
