@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         modes = []
         for name in _csv(args.modes):
             if name in ("eagle3", "dflash", "self"):
-                name = method if name != "self" else name  # "eagle3" in --modes: the drafter's own type
-                modes += [mode_args(name, drafter_gguf=drafter_gguf, target_gguf=target_gguf, n_max=k, p_min=args.p_min) for k in chains]
+                kind = name if name == "self" else method  # "eagle3" in --modes: the drafter's own type
+                modes += [mode_args(kind, drafter_gguf=drafter_gguf, target_gguf=target_gguf, n_max=k, p_min=args.p_min) for k in chains]
             else:
                 modes.append(mode_args(name))
         log_dir = args.output.parent / f"{args.output.stem}-logs-{ttype}"

@@ -64,7 +64,6 @@ def summarize(
     the self-drafting mode; vLLM: ``ngram``), keyed ``mismatches_vs_<reference_label>``; and the
     speedup over `reference` on the same prompts, paired the same way
     (``speedup_vs_<reference_label>``), so "faster than ngram" comes with its own interval."""
-    base = results[baseline]
     rows: dict[str, Any] = {}
     for name, items in results.items():
         tokens = [len(r.tokens) for r in items]
@@ -79,20 +78,13 @@ def summarize(
         row["acceptance"] = row["accepted"] / row["drafted"] if row["drafted"] else None
         committed = [max(len(r.tokens) - 1, 0) for r in items]
         row.update(tau_summary(committed, [verifications(r) for r in items], resamples=resamples))
-        if name != baseline:
-            speed = speedup_summary(
-                tokens, seconds, [len(r.tokens) for r in base], [r.seconds for r in base],
-                resamples=resamples,
-            )
-            row["speedup"], row["speedup_ci"] = speed["total"], speed["total_ci"]
-        if reference in results and name not in (reference, baseline):
-            other = results[reference]
-            speed = speedup_summary(
-                tokens, seconds, [len(r.tokens) for r in other], [r.seconds for r in other],
-                resamples=resamples,
-            )
-            row[f"speedup_vs_{reference_label}"] = speed["total"]
-            row[f"speedup_vs_{reference_label}_ci"] = speed["total_ci"]
+        for key, other in (("speedup", baseline), (f"speedup_vs_{reference_label}", reference)):
+            if other in results and name not in (other, baseline):
+                speed = speedup_summary(
+                    tokens, seconds, [len(r.tokens) for r in results[other]],
+                    [r.seconds for r in results[other]], resamples=resamples,
+                )  # fmt: skip
+                row[key], row[f"{key}_ci"] = speed["total"], speed["total_ci"]
         for label, other in (("plain", baseline), (reference_label, reference)):
             if other is None or other == name or other not in results:
                 continue
