@@ -12,9 +12,10 @@ plain with a paired bootstrap interval over prompts, vLLM's acceptance and tau, 
 mismatches against plain and against ``ngram``, and the batched figures (the whole prompt set
 submitted in chunks of B). With ``--ours`` our decoder runs the same drafter on the same prompt
 ids at ``chain:K``: vLLM's acceptance per draft position is set beside ours, with our 95%
-bootstrap interval over prompts (engine parity). ``--k auto``: a short calibration run measures
-vLLM's seconds per verification step at K = 1 .. 6 with this drafter; the K that maximises our
-decoder's expected tau(K) over that step cost is printed, then measured with its neighbours.
+bootstrap interval over prompts (engine parity). ``--k auto``: a short calibration measures
+vLLM's seconds per verification step at K = 1 .. 6 with this drafter, one engine at a time; the
+K that maximises our decoder's expected tau(K) over that step cost is printed, then measured
+with its neighbours.
 """
 
 from __future__ import annotations
@@ -120,11 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         report["ours"] = ours
     if auto:
         alphas = ours[f"chain:{AUTO_DEPTH}"]["alphas"]
-        calibration = run_vllm(
-            env, folder, [vllm_mode(method, drafter=args.drafter, k=k) for k in ks],
-            prompts[: args.calibrate_prompts], log=log_dir / "calibration.log", **common,
-        )  # fmt: skip
-        measured = to_prompt_results(calibration)
+        # One engine at a time, each worker gone before the next: six side by side did not fit
+        # (vLLM's CPU worker sizes its KV cache from free memory, which the page cache eats).
+        measured = {}
+        for k in ks:
+            calibration = run_vllm(
+                env, folder, [vllm_mode(method, drafter=args.drafter, k=k)],
+                prompts[: args.calibrate_prompts], log=log_dir / f"calibration-k{k}.log", **common,
+            )  # fmt: skip
+            measured.update(to_prompt_results(calibration))
         pick = pick_k(alphas, {k: step_seconds(measured[f"{method}@{k}"]) for k in ks})
         report["k_pick"] = pick
         print(f"[auto] vLLM step seconds x our acceptance pick K = {pick['k']}", flush=True)

@@ -149,5 +149,5 @@ def test_engines_side_by_side_share_the_kv_cache_budget() -> None:
     from lightning_spec.bench.vllm import kv_cache_share
 
     assert kv_cache_share(1) == 4 and kv_cache_share(3) == 4  # vLLM's default, as before
-    assert kv_cache_share(6) == 2  # --k auto's calibration: six engines
+    assert kv_cache_share(6) == 2  # six engines side by side
     assert kv_cache_share(20) == 1  # never below 1 GiB

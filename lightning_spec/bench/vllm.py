@@ -106,8 +106,9 @@ def accepted_per_position(items: Sequence[PromptResult], depth: int) -> dict[str
 
 def kv_cache_share(engines: int, *, total_gib: int = 12, most_gib: int = 4) -> int:
     """GiB of KV cache per engine when `engines` run side by side: `total_gib` shared, at most
-    `most_gib` and at least 1 each. `--k auto`'s calibration starts six engines, and six of
-    vLLM's default 4 GiB did not fit beside the models on a 24 GiB machine. 1 GiB holds ~23k
+    `most_gib` and at least 1 each. Six engines did not fit a 24 GiB machine at vLLM's default
+    4 GiB, nor at 2 GiB each once the page cache held 9 GiB (vLLM's CPU worker checks free, not
+    available, memory), so `--k auto` calibrates one engine at a time. 1 GiB holds ~23k
     SmolLM2 tokens (46 KB each in fp32); a batch that needs more waits in vLLM's scheduler."""
     return max(1, min(most_gib, total_gib // max(1, engines)))
 
