@@ -251,9 +251,12 @@ def run_stream(
             else:
                 update = {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0,
                           "skipped_update": 1.0}  # fmt: skip
-            if engine is not None:  # rebuilding the feedback is the learner's cost
-                update = {**update, "feedback_seconds": feedback_seconds,
-                          "update_seconds": update["update_seconds"] + feedback_seconds}  # fmt: skip
+            if engine is not None:
+                update = {**update, "feedback_seconds": feedback_seconds}
+                if strategy.name != "frozen":  # rebuilding the feedback is the learner's cost
+                    update["update_seconds"] += feedback_seconds
+                else:  # no learner reads it: only the check that our replay equals the engine
+                    update["diagnostic_seconds"] = update.get("diagnostic_seconds", 0.0) + feedback_seconds
             summary = {"round": index, "strategy": strategy.name,
                        **_round_figures(generations, logged[-len(chunk) :], update),
                        **prequential_summary(logged)}  # fmt: skip

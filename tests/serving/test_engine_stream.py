@@ -81,6 +81,20 @@ def test_each_update_is_pushed_into_the_engine_that_serves_the_next_round(
     assert all(r["update_seconds"] >= r["push_seconds"] + r["feedback_seconds"] for r in rounds)
 
 
+def test_a_frozen_drafter_in_an_engine_is_charged_nothing(target: TargetModel, tmp_path: Path) -> None:
+    """Frozen has no learner: its replay only checks our decoder against the engine, so its
+    seconds are a diagnostic and its net tokens/s equal its served tokens/s."""
+    engine = _engine(target, tmp_path / "start")
+    strategy = make_strategy("frozen", HELPERS._drafter(target))
+    run_stream(
+        target, strategy, parse_tree_spec(POLICY), _requests(4), out_dir=tmp_path / "run",
+        round_size=2, max_new_tokens=10, engine=engine,
+    )  # fmt: skip
+    rounds = [json.loads(line) for line in (tmp_path / "run" / "rounds.jsonl").read_text().splitlines()]
+    assert all(r["update_seconds"] == 0.0 and r["diagnostic_seconds"] >= r["feedback_seconds"] > 0 for r in rounds)
+    assert all(r["net_tokens_per_s"] == pytest.approx(r["tokens_per_s"]) for r in rounds)
+
+
 def test_a_failed_push_leaves_the_previous_drafter_serving(target: TargetModel, tmp_path: Path) -> None:
     engine = _engine(target, tmp_path / "start", fail_on_push=1)
     first = engine.served
