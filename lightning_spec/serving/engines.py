@@ -51,9 +51,17 @@ class ServingEngine(Protocol):
 
 def engine_tau(results: Sequence[PromptResult]) -> tuple[float, int]:
     """(tokens committed per verify step, verify steps) from the engine's per-step accepted
-    counts: each step commits its accepted drafts plus the target's own token."""
-    lengths = [a for r in results for a in r.meta.get("accepted_lengths", [])]
-    return ((sum(lengths) + len(lengths)) / len(lengths) if lengths else float("nan")), len(lengths)
+    counts: each step commits its accepted drafts plus the target's own token, and a request's
+    steps together commit at most its reply less the prefill's first token. vLLM counts the
+    drafts its last step accepted even when the length limit or an end token then cuts them
+    (128 tokens from 100 steps logged as 128 committed, not 127), which would put its tau a
+    step's worth above what it served and above our replay's."""
+    committed = steps = 0
+    for result in results:
+        lengths = list(result.meta.get("accepted_lengths", []))
+        steps += len(lengths)
+        committed += min(sum(lengths) + len(lengths), max(0, len(result.tokens) - 1))
+    return (committed / steps if steps else float("nan")), steps
 
 
 class DecoderEngine:

@@ -134,9 +134,19 @@ def test_a_push_dying_mid_load_restores_the_served_weights(target: TargetModel, 
 def test_engine_tau_counts_the_targets_token_at_every_step() -> None:
     from lightning_spec.bench.engines import PromptResult
 
-    results = [PromptResult([1, 2, 3], 1.0, meta={"accepted_lengths": [2, 0]}),
-               PromptResult([4], 1.0, meta={"accepted_lengths": [1]})]  # fmt: skip
-    assert engine_tau(results) == (pytest.approx((3 + 3) / 3), 3)
+    # the first token comes from the prefill; then 3 + 1 and 0 + 1 tokens, and 1 + 1
+    results = [PromptResult([1, 2, 3, 4, 5, 6], 1.0, meta={"accepted_lengths": [3, 0]}),
+               PromptResult([7, 8, 9], 1.0, meta={"accepted_lengths": [1]})]  # fmt: skip
+    assert engine_tau(results) == (pytest.approx((5 + 2) / 3), 3)
+
+
+def test_engine_tau_leaves_out_drafts_the_stop_cut() -> None:
+    """vLLM logs a last step's accepted drafts even when max_tokens or EOS cut them: 3 tokens
+    served after the prefill's, not the 2 + 2 + 1 accepted-plus-own its steps claim."""
+    from lightning_spec.bench.engines import PromptResult
+
+    cut = PromptResult([1, 2, 3, 4], 1.0, meta={"accepted_lengths": [1, 2]})
+    assert engine_tau([cut]) == (pytest.approx(3 / 2), 2)
 
 
 def test_the_vllm_engine_config_is_checked_before_anything_loads(tmp_path: Path) -> None:
