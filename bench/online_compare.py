@@ -5,7 +5,10 @@ the drafter and the tree; each strategy serves the very same requests in the sam
 the same starting drafter (alone on the machine, in turn). Then, per strategy: prequential mean
 tau with a 95% bootstrap interval over requests, the paired per-request difference to `frozen`
 (interval too), served and net-of-update tokens/s, rollbacks; and one figure of tau over rounds
-for every strategy (`tau_over_rounds.png`). Runs already finished in OUT are reused (resume).
+for every strategy (`tau_over_rounds.png`). Where both a strategy and `frozen` served live
+(`engine: vllm`, or `replay: false`), its measured tokens/s gains over frozen, paired over
+requests with a bootstrap interval: ``served_gain`` (decoding seconds only) and ``net_gain``
+(each round's update charged to its requests). Runs already finished in OUT are reused (resume).
 
     python bench/online_compare.py --config configs/online_spec.yaml --out runs/online_compare \\
         --strategies frozen,ogd,optimistic,ensemble,osd,dpo,hindsight [--seed 1] \\
@@ -76,20 +79,36 @@ def _live_estimate(requests: list[dict[str, Any]], rounds: list[dict[str, Any]],
             "update_share_of_serving": updates / serving}  # fmt: skip
 
 
+def _update_shares(rounds: list[dict[str, Any]]) -> dict[int, float]:
+    """{round: update seconds per request}: a round's update spread evenly over its requests."""
+    return {r["round"]: r.get("update_seconds", 0.0) / max(1.0, r["requests"]) for r in rounds}
+
+
 def _estimate_columns(
     requests: list[dict[str, Any]], rounds: list[dict[str, Any]], step: float
 ) -> dict[int, tuple[float, float]]:
     """{request: (tokens, estimated live seconds)}: its verification steps at `step` plus its
-    share of its round's update (the update spread evenly over the round's requests)."""
-    share = {r["round"]: r.get("update_seconds", 0.0) / max(1.0, r["requests"]) for r in rounds}
+    share of its round's update."""
+    share = _update_shares(rounds)
     return {r["request"]: (r["tokens"], r["verifications"] * step + share.get(r["round"], 0.0))
             for r in requests}  # fmt: skip
 
 
+def _measured_columns(
+    requests: list[dict[str, Any]], rounds: list[dict[str, Any]], charge_updates: bool
+) -> dict[int, tuple[float, float]]:
+    """{request: (tokens, measured serving seconds)} of a run's live requests, plus (with
+    `charge_updates`) its share of its round's update: the live analogue of `_estimate_columns`."""
+    share = _update_shares(rounds) if charge_updates else {}
+    return {r["request"]: (r["tokens"], r["seconds"] + share.get(r["round"], 0.0))
+            for r in requests if r.get("seconds") and not r.get("replayed")}  # fmt: skip
+
+
 def _net_gain(
-    mine: dict[int, tuple[float, float]], frozen: dict[int, tuple[float, float]]
+    mine: dict[int, tuple[float, float]], frozen: dict[int, tuple[float, float]],
+    key: str = "est_live_net_gain",
 ) -> dict[str, Any]:
-    """The estimated live net tokens/s gain over frozen, paired over the requests both served,
+    """A tokens/s gain over frozen (`key`, and `key`_ci), paired over the requests both served,
     with a bootstrap interval: requests (and their update shares) are resampled in pairs."""
     both = [mine[k] + frozen[k] for k in mine if k in frozen]
     if not both:
@@ -100,8 +119,7 @@ def _net_gain(
         return (t_a.sum(-1) / s_a.sum(-1)) / (t_b.sum(-1) / s_b.sum(-1)) - 1
 
     point = gain(*(torch.tensor(c, dtype=torch.float64) for c in columns))
-    return {"est_live_net_gain": float(point),
-            "est_live_net_gain_ci": stats.bootstrap_ci(columns, gain)}  # fmt: skip
+    return {key: float(point), f"{key}_ci": stats.bootstrap_ci(columns, gain)}
 
 
 def first_requests(
@@ -172,6 +190,12 @@ def summarize(
                 ([a for a, _ in both], [b for _, b in both]),
                 lambda a, b: stats.ratio_of_sums_of(a, b) - 1,
             )
+            if name != "hindsight":  # both served live: the measured gains, paired
+                for key, charge in (("served_gain", False), ("net_gain", True)):
+                    entry.update(_net_gain(
+                        _measured_columns(requests[name], rounds[name], charge),
+                        _measured_columns(requests["frozen"], rounds["frozen"], False), key,
+                    ))  # fmt: skip
             if step and requests["frozen"] and name != "hindsight":  # its fit is not charged
                 entry.update(_net_gain(
                     _estimate_columns(requests[name], rounds[name], step),

@@ -49,6 +49,13 @@ def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
     assert table["ogd"]["tokens_per_s"] == pytest.approx(20.0)
     assert table["frozen"]["net_tokens_per_s"] == table["frozen"]["tokens_per_s"] == pytest.approx(20.0)
     assert table["ogd"]["rolled_back"] == 1.0
+    # both served live: the measured tokens/s gains, paired over requests (same seconds per
+    # request; the update's 1/3 s a round charged as 1/6 s to each of its 2 requests)
+    assert table["ogd"]["served_gain"] == pytest.approx(0.0)
+    assert table["ogd"]["net_gain"] == pytest.approx(15.0 / 20.0 - 1)
+    low, high = table["ogd"]["net_gain_ci"]
+    assert low == pytest.approx(-0.25) and high == pytest.approx(-0.25)
+    assert "served_gain" not in table["frozen"]
     assert compare.plot(tmp_path, ["frozen", "ogd"]).stat().st_size > 1000
     assert compare._options("dpo", {"lr": 1.0, "learners": 3, "beta": 0.2}) == {
         "lr": 1.0,
