@@ -299,9 +299,10 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
     from lightning_spec.tracking import default_tracking_uri
 
     assert [p.name for p in ONLINE_CONFIGS] == [
+        "online_broad_vllm.yaml",
         "online_domain.yaml", "online_domain_ref.yaml", "online_domain_ref_beside.yaml",
         "online_domain_ref_cputree.yaml", "online_domain_ref_hydra.yaml", "online_domain_ref_live.yaml",
-        "online_domain_shift.yaml", "online_domain_vllm.yaml",
+        "online_domain_shift.yaml", "online_domain_shift_vllm.yaml", "online_domain_vllm.yaml",
         "online_spec.yaml",
     ]
     for path in ONLINE_CONFIGS:
