@@ -186,10 +186,8 @@ def summarize(
             if frozen and entry["prequential_tau"]:
                 entry["relative_gain"] = entry["prequential_tau"] / frozen - 1
             # the relative gain of the mean over the same requests, resampled in pairs
-            entry["relative_gain_ci"] = stats.bootstrap_ci(
-                ([a for a, _ in both], [b for _, b in both]),
-                lambda a, b: stats.ratio_of_sums_of(a, b) - 1,
-            )
+            entry["relative_gain_ci"] = _relative_ci(both)
+            entry.update(_domain_gains(requests[name], base))
             if name != "hindsight":  # both served live: the measured gains, paired
                 for key, charge in (("served_gain", False), ("net_gain", True)):
                     entry.update(_net_gain(
@@ -215,6 +213,32 @@ def summarize(
                 if own is not None:  # the share of the ceiling's gain over frozen taken online
                     table[name]["ceiling_share"] = (own - frozen) / (ceiling - frozen)
     return table
+
+
+def _relative_ci(pairs: list[tuple[float, float]]) -> stats.Interval | None:
+    """Interval of mean(a) / mean(b) - 1 over paired requests, resampled in pairs."""
+    return stats.bootstrap_ci(
+        ([a for a, _ in pairs], [b for _, b in pairs]),
+        lambda a, b: stats.ratio_of_sums_of(a, b) - 1,
+    )
+
+
+def _domain_gains(rows: list[dict[str, Any]], base: dict[int, float]) -> dict[str, Any]:
+    """`gain@<domain>` and its paired interval for each domain of a mixed stream: a gain on the
+    whole stream can come from one segment alone (the broad stream's code half), which is what
+    "when it pays" has to say. Empty for a one-domain stream (the whole-stream gain says it)."""
+    by_domain: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        frozen = base.get(r["request"])
+        if r["tau"] == r["tau"] and frozen is not None and frozen == frozen:
+            by_domain.setdefault(r.get("domain", "?"), []).append((r["tau"], frozen))
+    if len(by_domain) < 2:
+        return {}
+    out: dict[str, Any] = {}
+    for domain, pairs in by_domain.items():
+        out[f"gain@{domain}"] = sum(a for a, _ in pairs) / sum(b for _, b in pairs) - 1
+        out[f"gain@{domain}_ci"] = _relative_ci(pairs)
+    return out
 
 
 def _served(requests: list[dict[str, Any]], rounds: list[dict[str, Any]]) -> dict[str, float | None]:

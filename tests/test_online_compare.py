@@ -63,6 +63,28 @@ def test_table_pairs_every_request_with_frozen_and_draws_the_figure(
     }
 
 
+def test_a_mixed_stream_gets_each_domains_paired_gain(compare, tmp_path: Path) -> None:
+    """A broad stream (chat then code): the whole-stream gain can come from one segment alone."""
+    _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 0.0)
+    _write(tmp_path / "ogd", [2.0, 2.0, 2.4, 2.6], 0.0)
+    for arm in ("frozen", "ogd"):
+        path = tmp_path / arm / "requests.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            row["domain"] = "chat" if row["request"] < 2 else "code"
+        path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    ogd = compare.summarize(tmp_path, ["frozen", "ogd"])["ogd"]
+    assert ogd["gain@chat"] == pytest.approx(0.0)
+    assert tuple(ogd["gain@chat_ci"]) == (pytest.approx(0.0), pytest.approx(0.0))
+    assert ogd["gain@code"] == pytest.approx(0.25)
+    low, high = ogd["gain@code_ci"]
+    assert 0.2 - 1e-9 <= low <= 0.25 <= high <= 0.3 + 1e-9
+    one_domain = tmp_path / "one"
+    _write(one_domain / "frozen", [2.0, 2.0], 0.0)
+    _write(one_domain / "ogd", [2.0, 2.2], 0.0)
+    assert not any(k.startswith("gain@") for k in compare.summarize(one_domain, ["frozen", "ogd"])["ogd"])
+
+
 def test_the_hindsight_ceiling_is_read_on_its_own_tail_requests(compare, tmp_path: Path) -> None:
     _write(tmp_path / "frozen", [2.0, 2.0, 2.0, 2.0], 0.0)
     _write(tmp_path / "ogd", [2.0, 2.2, 2.4, 2.6], 1.0 / 3.0)
