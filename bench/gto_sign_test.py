@@ -9,7 +9,10 @@ Every arm starts from the same drafter (its frozen copy is the reference), sees 
 batches and the same prefixes (the group generator is reset per batch), and trains with
 L = token_weight * L_token + omega * L_GTO (token_weight 0 by default: GTO alone, so
 only the GTO term can move the reward). At T = 0 on the target's own greedy text, so the cached
-path scores every tree without a target forward. Every `--eval-every` steps each arm's
+path scores every tree without a target forward; with `--temperature 1` on the target's sampled
+text, where a T = 1 verification's states leave the greedy text and an on-policy objective may
+part from the token loss (every tree scored through the target, the accepted paths sampled with
+the same draws in every arm). Every `--eval-every` steps each arm's
 accepted length (the T = 0 tree reward's argmax form) and LSE reward are measured on the
 training prefixes and on held-out prefixes (fixed, the same for every arm and every
 evaluation); the final table pairs the arms prefix by prefix with bootstrap intervals.
@@ -49,6 +52,8 @@ def evaluate(
     weight = 0
     with torch.no_grad():
         for index, batch in enumerate(batches):
+            # at T > 0 the accepted path is sampled: the same draws for every arm
+            module._generator.manual_seed(seed + 7919 * (index + 1))
             result = module.gto_term(
                 batch, statistics=stats is not None,
                 generator=torch.Generator().manual_seed(seed + index),
@@ -99,8 +104,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ]
         base = Eagle3Drafter.from_target(target, intermediate_size=64)
         batches = greedy_text_batches(
-            target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size
-        )
+            target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size,
+            temperature=args.temperature, seed=args.seed,
+        )  # fmt: skip
         # a head trained on the texts with the token loss alone: drafts accepted part of the time
         warm = GroupTreeOptimization.from_objects(target, base, tree=args.tree, ttt_steps=2)
         optimizer = torch.optim.Adam(warm.drafter.parameters(), lr=3e-3)
@@ -134,9 +140,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = [prompts[i] for i in order[: args.prompts + args.held_out]]
         tic = time.perf_counter()
         batches = greedy_text_batches(
-            target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size
-        )
-        print(f"greedy texts and cached passes: {time.perf_counter() - tic:.0f} s", flush=True)
+            target, prompts, new_tokens=args.new_tokens, batch_size=args.batch_size,
+            temperature=args.temperature, seed=args.seed,
+        )  # fmt: skip
+        seconds = time.perf_counter() - tic
+        print(f"target texts (T = {args.temperature:g}), cached passes: {seconds:.0f} s", flush=True)
     split = args.prompts // args.batch_size
     train, held_out = batches[:split], batches[split:]
     report: dict[str, Any] = {
@@ -158,6 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             token_weight=args.token_weight,
             debias=not args.no_debias,
             seed=args.seed,
+            temperature=args.temperature,
         )
         if args.jitter:
             noise = torch.Generator().manual_seed(args.seed + 17)
@@ -265,11 +274,20 @@ def main(argv: list[str] | None = None) -> int:
         "--stats", choices=("ends", "every"), default="ends",
         help="misalignment statistics at the first and last evaluation, or at every one",
     )  # fmt: skip
+    parser.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="T > 0: the texts are the target's samples at T (seeded), the trees are drafted, "
+        "verified by sampling and rewarded (expected acceptance, LSE over branches) at T, every "
+        "tree scored through the target",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if not args.tiny and args.drafter is None:
         parser.error("--drafter is required unless --tiny")
+    if args.store is not None and args.temperature > 0:
+        parser.error("--store holds the target's greedy text; at --temperature > 0 the texts are "
+                     "sampled from --dataset prompts instead (drop --store)")  # fmt: skip
     report = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.out, report, default=str)

@@ -35,3 +35,26 @@ def test_tiny_sign_test_pairs_three_arms_and_logs_term_gradients(
     assert set(report["grad_norms"]) == {"+1", "-1"}
     for what in ("train_accept", "heldout_reward"):
         assert report["paired"][what]["plus_minus"]["mean_diff"] is not None
+
+
+def test_tiny_sign_test_at_temperature_one_samples_texts_and_pairs_the_arms(
+    bench_script,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    """At T = 1 the texts are the target's samples, every tree is scored through the target,
+    and the arms still start equal (the sampled accepted paths use the same draws)."""
+    sign = bench_script("gto_sign_test")
+    out = tmp_path / "sign_t1.json"
+    assert sign.main([
+        "--tiny", "--prompts", "4", "--held-out", "4", "--new-tokens", "12", "--steps", "1",
+        "--eval-every", "1", "--warm-steps", "2", "--token-weight", "1", "--jitter", "0",
+        "--temperature", "1", "--out", str(out),
+    ]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["args"]["temperature"] == 1.0
+    starts = {
+        json.dumps({k: v for k, v in arm[0].items() if k != "seconds"})
+        for arm in report["arms"].values()
+    }
+    assert len(starts) == 1, "every arm starts from the same drafter and the same draws"
+    assert report["paired"]["heldout_reward"]["plus_zero"]["mean_diff"] is not None

@@ -18,13 +18,23 @@ __all__ = ["greedy_text_batches", "store_text_batches"]
 
 
 def greedy_text_batches(
-    target: Any, prompts: list[list[int]], *, new_tokens: int, batch_size: int
+    target: Any,
+    prompts: list[list[int]],
+    *,
+    new_tokens: int,
+    batch_size: int,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Batches of the target's greedy continuations with their cached teacher-forced pass."""
-    from lightning_spec.data.regenerate import greedy_answers
+    """Batches of the target's greedy continuations with their cached teacher-forced pass;
+    with `temperature` > 0, of its sampled continuations instead (seeded): the states a T > 0
+    verification reads, which leave the greedy text (their cached argmax is then the target's
+    argmax on sampled text, which no T = 0 shortcut may read as the greedy continuation)."""
+    from lightning_spec.data.regenerate import GenerationSettings, target_answers
 
+    settings = GenerationSettings(max_new_tokens=new_tokens, temperature=temperature, seed=seed)
     # batch 32: 93 tok/s here, against 72 at 16 and 25 at 4 (bench_data_modes --throughput)
-    answers = greedy_answers(target, prompts, max_new_tokens=new_tokens, batch_size=32)
+    answers = target_answers(target, prompts, settings=settings, batch_size=32)
     texts = [p + a for p, a in zip(prompts, answers, strict=True)]
     batches = []
     for begin in range(0, len(texts), batch_size):

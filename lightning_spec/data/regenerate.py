@@ -176,6 +176,22 @@ def greedy_answers(
     decoding, so a caller that needs the exact batch-1 greedy text checks it (`ReplayingRolloutSource`
     keeps the longest greedy prefix). Prompts are batched by length to keep padding low.
     """
+    return target_answers(
+        target, prompts, settings=GenerationSettings(max_new_tokens=max_new_tokens),
+        batch_size=batch_size,
+    )  # fmt: skip
+
+
+def target_answers(
+    target: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    settings: GenerationSettings,
+    batch_size: int,
+) -> list[list[int]]:
+    """The target's answer to each of `prompts` under `settings` (greedy, or sampled with
+    `settings.seed` and each batch's position in the length order: the same prompts and seed
+    give the same answers), `batch_size` at a time, prompts batched by length."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     eos_ids = sorted(target.eos_token_ids)
@@ -187,10 +203,11 @@ def greedy_answers(
         results = generate_batch(
             target,
             [prompts[i] for i in chunk],
-            settings=GenerationSettings(max_new_tokens=max_new_tokens),
-            max_new_tokens=max_new_tokens,
+            settings=settings,
+            max_new_tokens=settings.max_new_tokens,
             pad_id=pad_id,
             eos_ids=eos_ids,
+            seed=settings.seed * 1_000_003 + begin,
         )
         for i, (tokens, _) in zip(chunk, results, strict=True):
             answers[i] = tokens

@@ -18,7 +18,9 @@ from lightning_spec.data.regenerate import (
     PromptItem,
     cache_features,
     feature_config,
+    greedy_answers,
     regenerate,
+    target_answers,
 )
 from lightning_spec.data.rollouts import RolloutStore
 from lightning_spec.decoding.engine import autoregressive_generate
@@ -88,6 +90,21 @@ def test_greedy_answers_equal_plain_decoding(tmp_path: Path, tiny_target, chat_t
     for prompt in prompts:
         expected = autoregressive_generate(tiny_target, prompt.input_ids, 20)
         assert records[prompt.id].input_ids[len(prompt.input_ids) :] == expected
+
+
+def test_sampled_answers_are_seeded_and_leave_the_greedy_text(tiny_target) -> None:
+    """The T = 1 texts the sign test trains on: reproducible per seed, not the greedy text."""
+    prompts = [[3, 6, 10 + i, 20 + i, 30 + i, 2, 3, 7] for i in range(4)]
+    greedy = greedy_answers(tiny_target, prompts, max_new_tokens=12, batch_size=2)
+    assert greedy == target_answers(tiny_target, prompts, settings=_settings(12), batch_size=4)
+
+    def sampled(seed: int) -> list[list[int]]:
+        settings = _settings(12, temperature=1.0, seed=seed)
+        return target_answers(tiny_target, prompts, settings=settings, batch_size=2)
+
+    assert sampled(1) == sampled(1)
+    assert sampled(1) != sampled(2)
+    assert sampled(1) != greedy
 
 
 def test_left_padding_does_not_change_greedy_answers(
