@@ -1,4 +1,5 @@
-"""bench/engine_vs_greedy.py: an engine's replies against cached greedy answers, hand-made files."""
+"""bench/engine_vs_greedy.py (an engine's replies against cached greedy answers, hand-made files)
+and bench/vllm_beside_probe.py's refusal of a config vLLM does not serve."""
 
 from __future__ import annotations
 
@@ -43,3 +44,10 @@ def test_a_short_bench_is_refused(script, tmp_path: Path) -> None:  # noqa: ANN0
 def test_missing_files_are_a_parser_error(script, tmp_path: Path) -> None:  # noqa: ANN001
     with pytest.raises(SystemExit):
         script.main(["--bench", str(tmp_path / "none.json"), "--stream", "x", "--answers", "y"])
+
+
+def test_the_beside_probe_needs_an_engine_config(bench_script, tmp_path: Path) -> None:  # noqa: ANN001
+    """bench/vllm_beside_probe.py refuses a config that vLLM does not serve, before loading."""
+    probe = bench_script("vllm_beside_probe")
+    with pytest.raises(SystemExit):
+        probe.main(["--config", "configs/online_domain.yaml", "--output", str(tmp_path / "p.json")])
