@@ -34,15 +34,10 @@ def feedback_and_update(target: Any, served: Any, strategy: Any, policy: Any, re
                         items: list[Any], labels: int) -> float:
     """The learner's whole round, as `online --engine vllm` charges it: the replies replayed
     with the drafter that served them, then the strategy's update; its seconds."""
-    from lightning_spec.serving.online import replay_request
+    from lightning_spec.serving.online import engine_feedback
 
     tic = time.perf_counter()
-    generations = []
-    for request, item in zip(requests, items, strict=True):
-        result = replay_request(target, served, policy, request.prompt, item.tokens, keep_labels=labels)
-        result.total_seconds = item.seconds
-        generations.append(result)
-    strategy.update(generations)
+    strategy.update(engine_feedback(target, served, policy, requests, items, labels))
     return time.perf_counter() - tic
 
 
@@ -55,9 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from lightning_spec import specs
-    from lightning_spec.cli.online import check_engine_drafter, load_config, start_vllm_engine
+    from lightning_spec.cli.online import (
+        check_engine_drafter,
+        load_config,
+        start_vllm_engine,
+        strategy_options,
+        stream_segments,
+    )
     from lightning_spec.objectives.online import make_strategy
-    from lightning_spec.serving.stream import Segment, build_stream
+    from lightning_spec.serving.stream import build_stream
 
     config = load_config(args.config)
     if config["engine"] != "vllm":
@@ -71,16 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         from lightning_spec.models.packed import prepack_where_possible
 
         prepack_where_possible({"target": target.model}, who="probe")
-    segments = [Segment(str(s["source"]), int(s["count"]), str(s.get("order", "shuffle")), int(s.get("skip", 0)))
-                for s in config["stream"]]  # fmt: skip
-    stream = build_stream(target.tokenizer, segments, seed=int(config["seed"]))
+    stream = build_stream(target.tokenizer, stream_segments(config), seed=int(config["seed"]))
     n = args.requests
     if len(stream) < 2 * n + 4:
         parser.error(f"the stream has {len(stream)} requests: --requests {n} needs {2 * n + 4}")
     warm, round_a, round_b = stream[:4], stream[4 : 4 + n], stream[4 + n : 4 + 2 * n]
-    options = {k: v for k, v in config["strategy"].items() if k != "name"}
-    if options.get("vocab_swap"):
-        options["protected_ids"] = list(target.eos_token_ids)
+    options = strategy_options(config, target)
     strategy = make_strategy(str(config["strategy"]["name"]), drafter, **options)
     served = copy.deepcopy(drafter).eval()  # what vLLM serves: the update never touches it
     policy = specs.resolve_tree(str(config["tree"]))

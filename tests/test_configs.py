@@ -348,6 +348,26 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
     assert main(["online", "--config", str(bad)]) == 2
 
 
+def test_an_online_configs_stream_and_strategy_options() -> None:
+    """What `online` and the vLLM probes build from a config: the stream's segments in order
+    (order and skip defaulted) and the strategy's options, with the target's end ids protected
+    only where the draft vocabulary is swapped."""
+    from types import SimpleNamespace
+
+    from lightning_spec.cli.online import load_config, strategy_options, stream_segments
+
+    config = load_config(ROOT / "configs" / "online_domain_shift_vllm.yaml")
+    (segment,) = stream_segments(config)
+    assert (segment.count, segment.order, segment.skip) == (1200, "source", 800)
+    target = SimpleNamespace(eos_token_ids=[2, 7])
+    options = strategy_options(config, target)
+    assert options["vocab_swap"] == 64 and options["protected_ids"] == [2, 7]
+    assert "name" not in options
+    config = {"stream": [{"source": "a.jsonl", "count": 3}], "strategy": {"name": "ogd", "lr": 0.1}}
+    assert [(s.order, s.skip) for s in stream_segments(config)] == [("shuffle", 0)]
+    assert strategy_options(config, target) == {"lr": 0.1}
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
     [

@@ -170,6 +170,27 @@ def check_stream_is_new(config: dict[str, Any], requests: list[Any], out: Path) 
     return None
 
 
+def stream_segments(config: dict[str, Any]) -> list[Any]:
+    """The config's stream as `Segment`s, in order (`load_config` checked their fields)."""
+    from lightning_spec.serving.stream import Segment
+
+    return [
+        Segment(
+            str(s["source"]), int(s["count"]), str(s.get("order", "shuffle")), int(s.get("skip", 0))
+        )
+        for s in config["stream"]
+    ]
+
+
+def strategy_options(config: dict[str, Any], target: Any) -> dict[str, Any]:
+    """The strategy's keyword options from the config; with `vocab_swap` the target's end ids
+    are protected, so a grown draft vocabulary never evicts the end of an answer."""
+    options = {k: v for k, v in config["strategy"].items() if k != "name"}
+    if options.get("vocab_swap"):
+        options["protected_ids"] = list(target.eos_token_ids)
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-spec online", description=__doc__.splitlines()[0]
@@ -232,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_spec import specs
     from lightning_spec.objectives.online import make_strategy
     from lightning_spec.serving.online import run_stream
-    from lightning_spec.serving.stream import Segment, build_stream
+    from lightning_spec.serving.stream import build_stream
     from lightning_spec.tracking import make_mlflow_logger
 
     torch.set_num_threads(int(config["threads"]))
@@ -258,12 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             margin=float(spec.get("margin", 0.05)),
             max_new_tokens=int(spec.get("max_new_tokens", 32)),
         )
-    segments = [
-        Segment(
-            str(s["source"]), int(s["count"]), str(s.get("order", "shuffle")), int(s.get("skip", 0))
-        )
-        for s in config["stream"]
-    ]
+    segments = stream_segments(config)
     requests = build_stream(target.tokenizer, segments, seed=int(config["seed"]), exclude=exclude)
     problem = check_stream_is_new(config, requests, Path(config["out_dir"]))
     if problem:
@@ -280,10 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             target, requests, max_new_tokens=int(config["max_new_tokens"]), cache=cache,
             batch_size=int(config.get("replay_batch", 32)),
         )
-    options = {k: v for k, v in config["strategy"].items() if k != "name"}
-    if options.get("vocab_swap"):  # a grown draft vocabulary never evicts the end of an answer
-        options["protected_ids"] = list(target.eos_token_ids)
     try:
+        options = strategy_options(config, target)
         strategy = make_strategy(str(config["strategy"]["name"]), drafter, **options)
     except (TypeError, ValueError) as error:  # unknown strategy or option: named, no run made
         print(f"online: strategy: {error}", file=sys.stderr)

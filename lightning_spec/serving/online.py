@@ -422,20 +422,38 @@ def _engine_round(
 
     served = engine.serve([r.prompt for r in this.requests], this.max_new_tokens)
     tic = time.perf_counter()
-    generations, rows = [], []
-    for offset, (request, item) in enumerate(zip(this.requests, served, strict=True)):
-        result = replay_request(
-            target, drafter, policy, request.prompt, item.tokens, keep_labels=this.labels
-        )
-        result.total_seconds = item.seconds
+    generations = engine_feedback(target, drafter, policy, this.requests, served, this.labels)
+    rows = []
+    replies = zip(this.requests, served, generations, strict=True)
+    for offset, (request, item, result) in enumerate(replies):
         known = None if this.known is None else this.known[offset]
         row = _request_row(this.index, request, result, known, replayed=False)
         tau, steps = engine_tau([item])
         row.update(replay_tau=row["tau"], tau=tau, verifications=steps, engine=engine.name,
                    engine_drafter=engine.served[:12])  # fmt: skip
-        generations.append(result)
         rows.append(row)
     return generations, rows, time.perf_counter() - tic
+
+
+def engine_feedback(
+    target: Any,
+    drafter: Any,
+    policy: TreePolicy,
+    requests: Sequence[Request],
+    served: Sequence[Any],
+    labels: int,
+) -> list[Any]:
+    """The learner's feedback from an engine's replies: each reply replayed through our decoder
+    with `drafter`, the one the engine served (features, soft labels and records, as a live
+    generation would give), carrying the engine's decode seconds."""
+    generations = []
+    for request, item in zip(requests, served, strict=True):
+        result = replay_request(
+            target, drafter, policy, request.prompt, item.tokens, keep_labels=labels
+        )
+        result.total_seconds = item.seconds
+        generations.append(result)
+    return generations
 
 
 def _rows_tau(rows: Sequence[dict[str, Any]]) -> float:
