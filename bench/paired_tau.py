@@ -14,6 +14,11 @@ one method must be benched in both, and every such method must have made exactly
 and acceptance lengths on every prompt (the check that the merge is sound); anything else is
 refused.
 
+`--seed-run OTHER.json` pools another run of the same bench at another seed (T > 0: sampled
+acceptance varies with the draws). Every setting but the seed must agree, with the same prompts
+and methods; each prompt's committed tokens and verifications are summed over the seeds, so
+the bootstrap still resamples prompts (a prompt's seeds stay together) and a prompt counts once.
+
 `--merge-text OTHER.json` is for a run whose drafters no longer exist (an asset cache lost with
 its machine): no method need be benched in both, and the check is the text itself. At T = 0
 every method of a run decodes the target's greedy text, so the two runs are paired prompt by
@@ -129,6 +134,37 @@ def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
     return added
 
 
+def pool_seeds(result: dict[str, Any], other: dict[str, Any]) -> None:
+    """Sum `other`'s counts into `result` prompt by prompt (module docstring, --seed-run)."""
+    for key in _MUST_AGREE:
+        if result["config"].get(key) != other["config"].get(key):
+            raise ValueError(
+                f"cannot pool seeds: {key} differs ({result['config'].get(key)!r} vs "
+                f"{other['config'].get(key)!r})"
+            )
+    if result["config"].get("seed") == other["config"].get("seed"):
+        raise ValueError(f"cannot pool seeds: both runs used seed {result['config'].get('seed')}")
+    if sorted(result["config"]["methods"]) != sorted(other["config"]["methods"]):
+        raise ValueError("cannot pool seeds: the two runs benched different methods")
+    theirs = {(e["dataset"], e["id"]): e for e in other["per_prompt"]}
+    if {(e["dataset"], e["id"]) for e in result["per_prompt"]} != theirs.keys():
+        raise ValueError("cannot pool seeds: the two runs benched different prompts")
+    for entry in result["per_prompt"]:
+        for method, record in entry["methods"].items():
+            if not record.get("verifications"):
+                continue
+            extra = theirs[(entry["dataset"], entry["id"])]["methods"][method]
+            for field in ("committed_by_verification", "verifications"):
+                record[field] = record[field] + extra[field]
+            record["tau"] = record["committed_by_verification"] / record["verifications"]
+    result["config"]["seed"] = [*_seeds(result), other["config"].get("seed")]
+
+
+def _seeds(result: dict[str, Any]) -> list[Any]:
+    seed = result["config"].get("seed")
+    return list(seed) if isinstance(seed, list) else [seed]
+
+
 def _text_of(entry: dict[str, Any]) -> list[int] | None:
     """The greedy tokens of a T = 0 per-prompt entry (every method's are the same)."""
     for record in entry["methods"].values():
@@ -185,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="a T = 0 run paired where its greedy text is the same (module docstring)",
     )
+    parser.add_argument(
+        "--seed-run",
+        type=Path,
+        action="append",
+        default=[],
+        help="the same bench at another seed, pooled per prompt (module docstring)",
+    )
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW, merged methods")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -192,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.merge:
         added = merge(result, json.loads(path.read_text()))
         print(f"merged from {path}: {', '.join(added) or 'nothing new'}", file=sys.stderr)
+    for path in args.seed_run:
+        pool_seeds(result, json.loads(path.read_text()))
     rename = dict(item.split("=", 1) for item in args.rename)
-    report: dict[str, Any] = {}
+    report: dict[str, Any] = {"seeds": _seeds(result)}
     for path in args.merge_text:
         added, differs = merge_text(result, json.loads(path.read_text()), rename)
         print(

@@ -144,6 +144,38 @@ def test_merge_text_refuses_sampled_or_mismatched_runs(paired) -> None:
         paired.merge_text(_run({"a": ([1], [0])}), other)
 
 
+def test_seed_runs_pool_per_prompt_and_refuse_other_settings(paired) -> None:
+    """Two seeds of a T = 1 bench: each prompt's counts are summed over the seeds (one unit per
+    prompt in the bootstrap); a run at the same seed, another tree or other prompts is refused."""
+
+    def sampled(seed: int, a: list[int], b: list[int]) -> dict:
+        run = _two_prompts({"A": ([1], [a[0]]), "B": ([1], [b[0]])},
+                           {"A": ([1], [a[1]]), "B": ([1], [b[1]])})  # fmt: skip
+        run["config"].update(temperature=1.0, seed=seed)
+        return run
+
+    first, second = sampled(0, [2, 0], [1, 0]), sampled(1, [0, 2], [0, 1])
+    paired.pool_seeds(first, second)
+    assert first["config"]["seed"] == [0, 1]
+    (one, two) = first["per_prompt"]
+    assert one["methods"]["A"]["committed_by_verification"] == 3 + 1  # one step of 3, one of 1
+    assert one["methods"]["A"]["verifications"] == 2 and two["methods"]["B"]["tau"] == 1.5
+    report = paired.compare(first, "A", "B", resamples=100)
+    assert report["pooled"]["prompts"] == 2
+    assert report["pooled"]["tau_a"] == pytest.approx(8 / 4)
+    assert report["pooled"]["tau_b"] == pytest.approx(6 / 4)
+    with pytest.raises(ValueError, match="both runs used seed"):
+        paired.pool_seeds(sampled(0, [1, 1], [1, 1]), sampled(0, [1, 1], [1, 1]))
+    other = sampled(2, [1, 1], [1, 1])
+    other["config"]["tree"] = "chain:4"
+    with pytest.raises(ValueError, match="tree differs"):
+        paired.pool_seeds(sampled(0, [1, 1], [1, 1]), other)
+    other = sampled(2, [1, 1], [1, 1])
+    other["per_prompt"][1]["id"] = "mtbench-3"
+    with pytest.raises(ValueError, match="different prompts"):
+        paired.pool_seeds(sampled(0, [1, 1], [1, 1]), other)
+
+
 def json_copy(value: dict) -> dict:
     import json
 
