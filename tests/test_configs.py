@@ -209,6 +209,42 @@ def test_cli_fit_runs_and_saves_its_config(
     assert (run / "drafter" / "last" / "model.safetensors").is_file()
 
 
+def test_a_fit_stopped_by_sigterm_exits_non_zero_with_its_checkpoint(
+    tiny_cli_assets: dict[str, str], tmp_path: Path
+) -> None:
+    """SIGTERM (a scheduler's stop) mid-run: the on-exception checkpoint is written and the
+    command exits 143, not 0, so no wrapper takes the stopped run for a finished one."""
+    from lightning_spec.cli import SIGTERM_EXIT, main
+
+    run = tmp_path / "run"
+    code = main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "quickstart.yaml"),
+            f"--model.init_args.target={tiny_cli_assets['model']}",
+            f"--model.init_args.draft_vocab_size={tiny_cli_assets['vocab']}",
+            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
+            f"--data.init_args.target={tiny_cli_assets['model']}",
+            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
+            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+            "--data.init_args.val_fraction=0.2",
+            f"--trainer.default_root_dir={run}",
+            f"--trainer.logger.init_args.run_dir={run}",
+            "--trainer.max_steps=6",
+            "--trainer.val_check_interval=6",
+            "--trainer.limit_val_batches=1",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={run / 'checkpoints'}",
+            "--trainer.callbacks.save_on_exception=true",
+            "--trainer.callbacks+=tests.sigterm_callback.SigtermAtStep",
+            "--trainer.callbacks.step=2",
+        ]
+    )
+    assert code == SIGTERM_EXIT
+    assert list((run / "checkpoints").glob("*.ckpt"))  # the resume point
+
+
 def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
     """`lightning-spec fit --config configs/gto.yaml` end to end (tiny target and drafter, 2
     steps, a small tree): GTO runs through the CLI, validates, saves and registers its drafter."""

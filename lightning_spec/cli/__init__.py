@@ -93,6 +93,25 @@ def lightning_cli(args: Sequence[str] | None = None, run: bool = True) -> object
     )
 
 
+SIGTERM_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process the signal ended
+
+
+def _run_lightning(args: Sequence[str] | None) -> int:
+    """A Lightning subcommand; a run stopped by SIGTERM exits non-zero. Lightning ends it with
+    `SIGTERMException`, a bare `SystemExit` (status 0), after the on-exception checkpoint: a
+    wrapper (a scheduler, `bench/compare_objectives.py`) would take the stopped run for a
+    finished one and keep its half-trained drafter."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        lightning_cli(args)
+    except SIGTERMException:
+        print("lightning-spec: stopped by SIGTERM before the run's end; its last checkpoint "
+              "resumes it (--ckpt_path=last)", file=sys.stderr)  # fmt: skip
+        return SIGTERM_EXIT
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -111,8 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if command in LIGHTNING_SUBCOMMANDS:
             # From the shell, LightningCLI reads sys.argv itself (passing both makes it warn).
-            lightning_cli(None if from_command_line else argv)
-            return 0
+            return _run_lightning(None if from_command_line else argv)
         module_name = SUBCOMMANDS[command][0]
         if not _available(module_name):
             print(f"lightning-spec: `{command}` is not available in this version", file=sys.stderr)
