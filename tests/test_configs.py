@@ -174,6 +174,31 @@ def test_bad_config_fails_clearly(tmp_path: Path) -> None:
     assert error.value.code != 0
 
 
+def _tiny_fit(config: str, assets: dict[str, str], tmp_path: Path, steps: int, *extra: str) -> list[str]:
+    """`fit` arguments running `config` on the tiny target for `steps` steps into tmp/run."""
+    run = tmp_path / "run"
+    return [
+        "fit",
+        "--config",
+        str(ROOT / "configs" / config),
+        f"--model.init_args.target={assets['model']}",
+        f"--model.init_args.draft_vocab_size={assets['vocab']}",
+        f"--model.init_args.cache_dir={tmp_path / 'cache'}",
+        f"--data.init_args.target={assets['model']}",
+        f"--data.init_args.dataset={assets['chats']}",
+        # The same value as the model's: Lightning refuses hparams that differ between the
+        # module and the data module when it logs them.
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+        "--data.init_args.val_fraction=0.2",
+        f"--trainer.default_root_dir={run}",
+        f"--trainer.logger.init_args.run_dir={run}",
+        f"--trainer.max_steps={steps}",
+        f"--trainer.val_check_interval={steps}",
+        "--trainer.limit_val_batches=1",
+        *extra,
+    ]
+
+
 @pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_dflash.yaml"])
 def test_cli_fit_runs_and_saves_its_config(
     config: str, tiny_cli_assets: dict[str, str], tmp_path: Path
@@ -182,29 +207,8 @@ def test_cli_fit_runs_and_saves_its_config(
     CLI must get past its own setup (it saves the resolved config into the logger's folder)."""
     from lightning_spec.cli import main
 
+    assert main(_tiny_fit(config, tiny_cli_assets, tmp_path, 2)) == 0
     run = tmp_path / "run"
-    code = main(
-        [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / config),
-            f"--model.init_args.target={tiny_cli_assets['model']}",
-            f"--model.init_args.draft_vocab_size={tiny_cli_assets['vocab']}",
-            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
-            f"--data.init_args.target={tiny_cli_assets['model']}",
-            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
-            # The same value as the model's: Lightning refuses hparams that differ between the
-            # module and the data module when it logs them.
-            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
-            "--data.init_args.val_fraction=0.2",
-            f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.run_dir={run}",
-            "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2",
-            "--trainer.limit_val_batches=1",
-        ]
-    )
-    assert code == 0
     assert (run / "config.yaml").is_file()
     assert (run / "drafter" / "last" / "model.safetensors").is_file()
 
@@ -216,33 +220,19 @@ def test_a_fit_stopped_by_sigterm_exits_non_zero_with_its_checkpoint(
     command exits 143, not 0, so no wrapper takes the stopped run for a finished one."""
     from lightning_spec.cli import SIGTERM_EXIT, main
 
-    run = tmp_path / "run"
+    checkpoints = tmp_path / "run" / "checkpoints"
     code = main(
-        [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / "quickstart.yaml"),
-            f"--model.init_args.target={tiny_cli_assets['model']}",
-            f"--model.init_args.draft_vocab_size={tiny_cli_assets['vocab']}",
-            f"--model.init_args.cache_dir={tmp_path / 'cache'}",
-            f"--data.init_args.target={tiny_cli_assets['model']}",
-            f"--data.init_args.dataset={tiny_cli_assets['chats']}",
-            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
-            "--data.init_args.val_fraction=0.2",
-            f"--trainer.default_root_dir={run}",
-            f"--trainer.logger.init_args.run_dir={run}",
-            "--trainer.max_steps=6",
-            "--trainer.val_check_interval=6",
-            "--trainer.limit_val_batches=1",
+        _tiny_fit(
+            "quickstart.yaml", tiny_cli_assets, tmp_path, 6,
             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-            f"--trainer.callbacks.dirpath={run / 'checkpoints'}",
+            f"--trainer.callbacks.dirpath={checkpoints}",
             "--trainer.callbacks.save_on_exception=true",
             "--trainer.callbacks+=tests.sigterm_callback.SigtermAtStep",
             "--trainer.callbacks.step=2",
-        ]
+        )  # fmt: skip
     )
     assert code == SIGTERM_EXIT
-    assert list((run / "checkpoints").glob("*.ckpt"))  # the resume point
+    assert list(checkpoints.glob("*.ckpt"))  # the resume point
 
 
 def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
