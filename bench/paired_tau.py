@@ -92,19 +92,27 @@ Entries = dict[tuple[str, str], dict[str, Any]]
 def _pairable(result: dict[str, Any], other: dict[str, Any]) -> tuple[Entries, Entries]:
     """Both runs' per-prompt entries by (dataset, id), once the runs are shown comparable: the
     same settings (`_MUST_AGREE`), T = 0 and the same prompts; else ValueError saying why."""
+    _check_agree(result, other, "merge", greedy=True)
+    return _by_prompt(result), _by_prompt(other)
+
+
+def _by_prompt(result: dict[str, Any]) -> Entries:
+    return {(e["dataset"], e["id"]): e for e in result["per_prompt"]}
+
+
+def _check_agree(result: dict[str, Any], other: dict[str, Any], what: str, *, greedy: bool) -> None:
+    """ValueError ("cannot `what`: ...") unless the runs share `_MUST_AGREE` and their prompts
+    (and, with `greedy`, were run at T = 0)."""
     for key in _MUST_AGREE:
         if result["config"].get(key) != other["config"].get(key):
             raise ValueError(
-                f"cannot merge: {key} differs ({result['config'].get(key)!r} vs "
+                f"cannot {what}: {key} differs ({result['config'].get(key)!r} vs "
                 f"{other['config'].get(key)!r})"
             )
-    if float(result["config"].get("temperature", 1.0)) != 0.0:
-        raise ValueError("cannot merge: only T = 0 runs are deterministic enough to pair")
-    mine = {(e["dataset"], e["id"]): e for e in result["per_prompt"]}
-    theirs = {(e["dataset"], e["id"]): e for e in other["per_prompt"]}
-    if mine.keys() != theirs.keys():
-        raise ValueError("cannot merge: the two runs benched different prompts")
-    return mine, theirs
+    if greedy and float(result["config"].get("temperature", 1.0)) != 0.0:
+        raise ValueError(f"cannot {what}: only T = 0 runs are deterministic enough to pair")
+    if _by_prompt(result).keys() != _by_prompt(other).keys():
+        raise ValueError(f"cannot {what}: the two runs benched different prompts")
 
 
 def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
@@ -136,19 +144,13 @@ def merge(result: dict[str, Any], other: dict[str, Any]) -> list[str]:
 
 def pool_seeds(result: dict[str, Any], other: dict[str, Any]) -> None:
     """Sum `other`'s counts into `result` prompt by prompt (module docstring, --seed-run)."""
-    for key in _MUST_AGREE:
-        if result["config"].get(key) != other["config"].get(key):
-            raise ValueError(
-                f"cannot pool seeds: {key} differs ({result['config'].get(key)!r} vs "
-                f"{other['config'].get(key)!r})"
-            )
-    if result["config"].get("seed") == other["config"].get("seed"):
-        raise ValueError(f"cannot pool seeds: both runs used seed {result['config'].get('seed')}")
+    _check_agree(result, other, "pool seeds", greedy=False)
+    seed = other["config"].get("seed")
+    if seed in _seeds(result):
+        raise ValueError(f"cannot pool seeds: both runs used seed {seed}")
     if sorted(result["config"]["methods"]) != sorted(other["config"]["methods"]):
         raise ValueError("cannot pool seeds: the two runs benched different methods")
-    theirs = {(e["dataset"], e["id"]): e for e in other["per_prompt"]}
-    if {(e["dataset"], e["id"]) for e in result["per_prompt"]} != theirs.keys():
-        raise ValueError("cannot pool seeds: the two runs benched different prompts")
+    theirs = _by_prompt(other)
     for entry in result["per_prompt"]:
         for method, record in entry["methods"].items():
             if not record.get("verifications"):
@@ -157,7 +159,7 @@ def pool_seeds(result: dict[str, Any], other: dict[str, Any]) -> None:
             for field in ("committed_by_verification", "verifications"):
                 record[field] = record[field] + extra[field]
             record["tau"] = record["committed_by_verification"] / record["verifications"]
-    result["config"]["seed"] = [*_seeds(result), other["config"].get("seed")]
+    result["config"]["seed"] = [*_seeds(result), seed]
 
 
 def _seeds(result: dict[str, Any]) -> list[Any]:

@@ -166,6 +166,8 @@ def test_seed_runs_pool_per_prompt_and_refuse_other_settings(paired) -> None:
     assert report["pooled"]["tau_b"] == pytest.approx(6 / 4)
     with pytest.raises(ValueError, match="both runs used seed"):
         paired.pool_seeds(sampled(0, [1, 1], [1, 1]), sampled(0, [1, 1], [1, 1]))
+    with pytest.raises(ValueError, match="both runs used seed 0"):
+        paired.pool_seeds(first, sampled(0, [1, 1], [1, 1]))  # a third run repeating seed 0
     other = sampled(2, [1, 1], [1, 1])
     other["config"]["tree"] = "chain:4"
     with pytest.raises(ValueError, match="tree differs"):
