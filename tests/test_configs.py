@@ -290,6 +290,23 @@ def test_cli_fit_draft_opd_on_fresh_rollouts(
     assert expected <= metrics, metrics
 
 
+def test_cli_fit_gto_on_its_own_sampled_rollouts(
+    tiny_cli_assets: dict[str, str], tmp_path: Path
+) -> None:
+    """`lightning-spec fit --config configs/gto_on_policy.yaml` at T = 1 end to end (tiny target
+    and drafter, 2 steps): GTO drafts, verifies by sampling and rewards trees on the rollouts
+    its own drafter sampled through the decoder, beside the control's data and refreshes."""
+    metrics = _tiny_fit_metrics(
+        "gto_on_policy.yaml", "gto_on_policy", tiny_cli_assets, tmp_path,
+        ["--data.init_args.rollout_prompts=2", "--data.init_args.rollout_max_new_tokens=8",
+         "--data.init_args.rollout_tree=dynamic:2,2,4", "--data.init_args.rollout_temperature=1.0",
+         "--model.init_args.temperature=1.0", "--model.init_args.tree=dynamic:2,2,4",
+         "--model.init_args.group_size=2"],
+    )  # fmt: skip
+    expected = {"train/loss_gto", "train/reward", "rollout/rollout_tau", "val/reward_gap"}
+    assert expected <= metrics, metrics
+
+
 @pytest.mark.parametrize(
     ("config", "experiment", "expected"),
     [
