@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import re
 import shlex
 import shutil
 import subprocess
@@ -79,18 +80,45 @@ def test_the_guide_shows_commands_from_every_page_kind() -> None:
     assert len(COMMANDS) >= 20
 
 
-def _tables(text: str, link_prefix: str = "") -> list[str]:
-    """The table rows of a page, with `link_prefix` taken off its relative links."""
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    return [row.replace(f"]({link_prefix}", "](") for row in rows] if link_prefix else rows
+def _prose(text: str) -> str:
+    """A page without its fenced blocks: the figures a reader is told, not commands shown."""
+    kept, fenced = [], False
+    for line in text.splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            kept.append(line)
+    return "\n".join(kept)
 
 
-def test_the_guide_front_page_shows_the_readme_tables() -> None:
-    """docs/index.md repeats the README's offer and task tables for the site; the two must not
-    drift apart (a status measured later goes into both)."""
-    readme = _tables((ROOT / "README.md").read_text(encoding="utf-8"), link_prefix="docs/")
-    index = _tables((ROOT / "docs" / "index.md").read_text(encoding="utf-8"))
-    assert readme and index == readme
+# A speedup (1.43x), a signed change (+10.1%, -0.07%) or an interval ([+9.3, +10.8]).
+FIGURE = re.compile(
+    r"(?<![\w.])\d+\.\d+x\b"
+    r"|(?<![\w.])[+-]\d+(?:\.\d+)?%"
+    r"|\[[+-]?\d+(?:\.\d+)?%?, [+-]?\d+(?:\.\d+)?%?\]"
+)
+
+
+def test_the_front_page_does_not_copy_the_readme() -> None:
+    """docs/index.md points into the guide; the README's tables live in the README only, so the
+    two cannot drift apart."""
+    readme = {r for r in (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+              if r.startswith("|") and not set(r) <= set("|- ")}  # fmt: skip
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8").splitlines()
+    assert not readme & {row.replace("](", "](docs/") for row in index}
+    assert not readme & set(index)
+
+
+def test_every_figure_in_the_readme_and_the_guide_is_on_the_results_page() -> None:
+    """RESULTS.md is the one page figures come from: a speedup, a signed change or an interval
+    quoted in the README or the guide must stand there too, with its conditions and command."""
+    results = (ROOT / "RESULTS.md").read_text(encoding="utf-8")
+    missing = []
+    for page in PAGES:
+        for figure in sorted(set(FIGURE.findall(_prose(page.read_text(encoding="utf-8"))))):
+            if figure not in results:
+                missing.append(f"{page.relative_to(ROOT)}: {figure}")
+    assert not missing, missing
 
 
 OUTSIDE_NOTES = ("ARCHITECTURE.md", "ALGORITHMS.md", "METHOD-REVIEWS.md", "MEASURING.md",
@@ -108,7 +136,7 @@ def test_the_project_points_only_to_its_own_pages() -> None:
                 continue
             text = path.read_text(encoding="utf-8", errors="replace")
             found += [f"{path.relative_to(ROOT)}: {n}" for n in OUTSIDE_NOTES if n in text]
-    for page in ("README.md", "BENCHMARKS.md"):
+    for page in ("README.md", "RESULTS.md"):
         text = (ROOT / page).read_text(encoding="utf-8")
         found += [f"{page}: {n}" for n in OUTSIDE_NOTES if n in text]
     assert not found, found
