@@ -1,7 +1,7 @@
 """`lightning-spec export --format gguf`: the files a llama.cpp deployment needs, in one folder.
 
 ``OUTPUT/drafter-<f32|f16>.gguf`` is the EAGLE-3 drafter (`lightning_spec.export.gguf`) or a
-DFlash drafter in the engines' layout (llama.cpp's own converter, `export/llamacpp.py`), and
+DFlash drafter in the engines' layout (llama.cpp's own converter, `lightning_spec.tools.llamacpp`), and
 with ``--with-target TYPE`` ``OUTPUT/target-<TYPE>.gguf`` is the target beside it. The target's
 tokenizer, which the drafter's file must carry, comes from (in this order) ``--target-gguf``,
 the embedded default's own GGUF (SmolLM2's Q4_1 file, the one our de-quantized target was made
@@ -60,7 +60,7 @@ def _model_folder(target: str) -> Path:
 
 def _target_file(target: str, outtype: str, output: Path) -> Path:
     """The target's GGUF of `outtype` at `output` (the embedded Q4_1 file is copied as is)."""
-    from lightning_spec.export.llamacpp import convert_target
+    from lightning_spec.tools.llamacpp import convert_target
 
     if outtype == "q4_1" and _embedded_default(target):
         from lightning_spec.data.assets import fetch
@@ -109,8 +109,8 @@ def export_gguf_package(
         raise GgufExportError("the drafter names no target: give --target or --target-gguf")
     config = json.loads((drafter / "config.json").read_text())
     block = drafter_type_of(config) == "dflash"
-    if block:  # llama.cpp's own converter reads our DFlash layout (export/llamacpp.py)
-        from lightning_spec.export.llamacpp import convert_dflash
+    if block:  # llama.cpp's own converter reads our DFlash layout (tools/llamacpp.py)
+        from lightning_spec.tools.llamacpp import convert_dflash
 
         if target is None:
             raise GgufExportError("a DFlash export needs --target (the model folder)")

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m lightning_spec.export.llamacpp build "$@"
+exec .venv/bin/python -m lightning_spec.tools.llamacpp build "$@"

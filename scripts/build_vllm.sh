@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m lightning_spec.export.vllm build "$@"
+exec .venv/bin/python -m lightning_spec.tools.vllm build "$@"

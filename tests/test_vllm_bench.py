@@ -12,7 +12,7 @@ import pytest
 from lightning_spec.bench import vllm_worker
 from lightning_spec.bench.engines import reach_per_position, summarize
 from lightning_spec.bench.vllm import accepted_per_position, to_prompt_results, vllm_mode
-from lightning_spec.export.vllm import VllmEnv, VllmMissing, find_vllm
+from lightning_spec.tools.vllm import VllmEnv, VllmMissing, find_vllm
 
 
 def test_modes_name_the_method_and_the_drafts(tmp_path: Path) -> None:
@@ -99,7 +99,7 @@ def test_environment_settings_and_a_missing_install(tmp_path: Path) -> None:
     assert settings["LD_PRELOAD"].split(":")[:2] == ["/lib/libtcmalloc.so", "/venv/lib/libiomp5.so"]
     assert settings["VLLM_CPU_KVCACHE_SPACE"] == "2" and settings["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
     assert settings["VLLM_DISABLE_COMPILE_CACHE"] == "1" and "PYTHONPATH" not in settings
-    with pytest.raises(VllmMissing, match="lightning_spec.export.vllm build"):
+    with pytest.raises(VllmMissing, match="lightning_spec.tools.vllm build"):
         find_vllm("0.32.0", cache_dir=tmp_path)
     stamp = tmp_path / "vllm" / "0.32.0"
     stamp.mkdir(parents=True)
@@ -123,10 +123,10 @@ def test_an_external_vllm_runs_without_the_cpu_settings(tmp_path: Path) -> None:
 
 
 def test_the_where_command_reports_a_missing_install(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from lightning_spec.export import vllm as vllm_tool
+    from lightning_spec.tools import vllm as vllm_tool
 
     assert vllm_tool.main(["where", "--cache-dir", str(tmp_path)]) == 1
-    assert "lightning_spec.export.vllm build" in capsys.readouterr().err
+    assert "lightning_spec.tools.vllm build" in capsys.readouterr().err
 
 
 def test_k_pick_and_batched_rows(bench_script) -> None:  # noqa: ANN001

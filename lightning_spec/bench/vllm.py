@@ -1,6 +1,6 @@
 """vLLM in the loop: plain decoding, our drafter and vLLM's own ``ngram``, side by side.
 
-vLLM pins its own torch, so it runs in its own environment (`lightning_spec.export.vllm`) and
+vLLM pins its own torch, so it runs in its own environment (`lightning_spec.tools.vllm`) and
 this module drives it through a subprocess: it writes a spec (target folder, modes, prompt ids),
 runs `bench/vllm_worker.py` under vLLM's interpreter and reads back, per mode and prompt, the
 reply, its seconds and vLLM's speculative-decoding counters. Results come back as the
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_spec.bench.engines import PromptResult
-from lightning_spec.export.vllm import VllmEnv
+from lightning_spec.tools.vllm import VllmEnv
 
 __all__ = [
     "NGRAM_LOOKUP",

@@ -121,7 +121,7 @@ def start_vllm_engine(config: dict[str, Any], out: Path) -> Any:
     """vLLM's CPU build serving the config's drafter at the tree's chain depth (installed into
     the asset cache the first time)."""
     from lightning_spec.bench.vllm import target_folder
-    from lightning_spec.export.vllm import ensure_vllm
+    from lightning_spec.tools.vllm import ensure_vllm
     from lightning_spec.serving.vllm_engine import VllmOnlineEngine
 
     out.mkdir(parents=True, exist_ok=True)

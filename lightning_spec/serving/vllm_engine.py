@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_spec.bench.engines import PromptResult
 from lightning_spec.bench.vllm import to_prompt_results, vllm_mode
-from lightning_spec.export.vllm import VllmEnv
+from lightning_spec.tools.vllm import VllmEnv
 from lightning_spec.io import sha256_file
 from lightning_spec.serving.engines import PushFailed
 

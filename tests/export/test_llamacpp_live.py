@@ -21,7 +21,7 @@ CHAIN, NEW_TOKENS = 3, 40
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory, engine_drafter) -> dict:  # noqa: ANN001
     from lightning_spec.export.gguf_package import export_gguf_package
-    from lightning_spec.export.llamacpp import ensure_llamacpp
+    from lightning_spec.tools.llamacpp import ensure_llamacpp
 
     built = ensure_llamacpp()
     fitted = engine_drafter(NEW_TOKENS)

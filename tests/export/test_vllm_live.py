@@ -25,7 +25,7 @@ def test_vllm_runs_our_drafter_like_our_decoder(tmp_path, engine_drafter) -> Non
     from lightning_spec.data.assets import default_target_path
     from lightning_spec.decoding.build import parse_tree_spec
     from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
-    from lightning_spec.export.vllm import VllmMissing, find_vllm
+    from lightning_spec.tools.vllm import VllmMissing, find_vllm
 
     try:
         env = find_vllm()

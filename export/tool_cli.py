@@ -1,0 +1,7 @@
+"""Moved to `lightning_spec.tools.cli`; this path warns and goes in the next release."""
+
+import sys
+
+from lightning_spec.deprecation import moved
+
+sys.modules[__name__] = moved(__name__, "lightning_spec.tools.cli")

@@ -1,0 +1,36 @@
+"""Old import paths kept for one release.
+
+A module that moved leaves a shim at its old path: importing the shim warns (DeprecationWarning)
+and hands over the new module itself (`sys.modules` points the old name at it), so every name,
+private ones included, and every class path a saved config or checkpoint stores still resolves
+to the same object. A renamed class stays reachable under its old name through the module's
+``__getattr__`` (`renamed`), which warns on each access. `tests/test_deprecated_paths.py` checks
+each shim.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from types import ModuleType
+
+__all__ = ["moved", "renamed"]
+
+
+def moved(old: str, new: str) -> ModuleType:
+    """Warn that module `old` moved to `new` and return `new` (imported)."""
+    warnings.warn(
+        f"{old} moved to {new}; the old path goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return importlib.import_module(new)
+
+
+def renamed(module: str, old: str, new: str) -> None:
+    """Warn that `module.old` is now `module.new` (called by the module's ``__getattr__``)."""
+    warnings.warn(
+        f"{module}.{old} is now {module}.{new}; the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
