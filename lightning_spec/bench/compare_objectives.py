@@ -1,15 +1,15 @@
 """Train several objectives from one baseline drafter at an equal wall-clock budget, in turn.
 
-The runs behind the GTO / Draft-OPD comparisons of BENCHMARKS.md: every run starts from the same
+The runs behind the GTO / Draft-OPD comparisons (experiments/gto-draft-opd): every run starts from the same
 drafter folder (its sha256 is printed and written beside the results), gets the same RunBudget
 minutes (the budget callback of each config is re-sized, nothing else changes) and runs alone on
 the machine, one after the other; each best drafter is copied out under OUT/<name>/drafter with
 its sha256. A killed comparison resumes: finished runs (a drafter folder in OUT) are skipped.
 Without ``--baseline`` the runs train from scratch (SFT variants compared at equal budget, e.g.
-``bench/dflash_tradeoff.py``); ``--steps`` gives them all the same step count as well (the
+``experiments/drafters/scripts/dflash_tradeoff.py``); ``--steps`` gives them all the same step count as well (the
 budget then only caps them) and ``--pick last`` keeps the last drafter instead of ``best/``.
 
-    python bench/compare_objectives.py --baseline ~/.cache/lightning-spec/baselines/X/drafter \\
+    lightning-spec bench compare --baseline ~/.cache/lightning-spec/baselines/X/drafter \\
         --minutes 30 --out ~/.cache/lightning-spec/compare/gto \\
         gto=configs/gto.yaml control=configs/sft_continue_cpu.yaml \\
         "gto_mean=configs/gto.yaml --model.init_args.aggregation mean"
@@ -63,7 +63,7 @@ def budgeted_config(path: Path, minutes: float, run_dir: Path, *, steps: int | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench compare", description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", type=Path, help="the starting drafter folder (none: scratch)")
     parser.add_argument("--minutes", type=float, required=True, help="RunBudget of every run")
     parser.add_argument("--steps", type=int, help="trainer.max_steps of every run (equal steps)")
@@ -115,6 +115,3 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,15 +10,14 @@ a little overhead of its own; the one-token HF forward is timed beside it. A mem
 probe (streaming reads of a tensor larger than the caches) gives the machine's floor for one
 target token: weight bytes / bandwidth.
 
-    python bench/profile_step.py --drafter DIR [--prepack] [--tree dynamic:6,10,32] \
-        [--prompts 6] [--max-new-tokens 64] [--output bench/results/profile.json]
+    lightning-spec bench profile --drafter DIR [--prepack] [--tree dynamic:6,10,32] \
+        [--prompts 6] [--max-new-tokens 64] [--output runs/bench/profile.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -88,7 +87,7 @@ def one_token_forward_ms(target: object, prompt: list[int], repeats: int = 7) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench profile", description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="smollm2")
     parser.add_argument("--drafter", required=True)
     parser.add_argument("--tree", default="dynamic:6,10,32")
@@ -170,6 +169,3 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.output).write_text(text + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

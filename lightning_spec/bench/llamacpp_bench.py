@@ -1,10 +1,10 @@
 """llama.cpp plain vs llama.cpp + our EAGLE-3 drafter vs llama.cpp's own speculation, one run.
 
-    python bench/llamacpp_bench.py --drafter DIR --target-types f32,q8_0,q4_1 \
+    lightning-spec bench llamacpp --drafter DIR --target-types f32,q8_0,q4_1 \
         --dataset mtbench,humaneval --limit 40 --max-new-tokens 64 --n-max 2,3,4 \
-        --ours --output bench/results/llamacpp.json
+        --ours --output runs/bench/llamacpp.json
 
-Builds llama.cpp once into the cache (`lightning_spec.export.llamacpp`), exports the drafter to
+Builds llama.cpp once into the cache (`lightning_spec.tools.llamacpp`), exports the drafter to
 GGUF and the target at each weight type (`export --format gguf`), measures llama.cpp's own
 cost curve (``llama-bench``: one forward of b tokens), then serves every prompt through every
 mode (`lightning_spec.bench.llamacpp`) and reports per target type: tok/s, speedup over plain
@@ -37,7 +37,7 @@ from lightning_spec.bench.engines import (
 from lightning_spec.bench.llamacpp import NGRAM_TYPES, mode_args, run_modes
 from lightning_spec.data.assets import cache_root
 from lightning_spec.export.gguf_package import export_gguf_package
-from lightning_spec.export.llamacpp import ensure_llamacpp
+from lightning_spec.tools.llamacpp import ensure_llamacpp
 from lightning_spec.io import atomic_write_json, sha256_file
 
 AUTO_DEPTH = 6  # --n-max auto: our per-depth acceptance from chain:6, picks within 1 .. 6
@@ -62,7 +62,7 @@ def cost_curve(bench_binary: Path, target_gguf: Path, sizes: list[int], threads:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench llamacpp", description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", type=Path, required=True)
     parser.add_argument("--target", default=None, help="default: the drafter's target")
     parser.add_argument("--target-types", default="f32", help="comma list of f32,f16,q8_0,q4_1")
@@ -214,6 +214,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.output} ({digest})")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

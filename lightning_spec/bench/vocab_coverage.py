@@ -1,8 +1,8 @@
 """How much of the target's held-out greedy text a draft vocabulary can draft at all.
 
-    python bench/vocab_coverage.py --sizes 2048,4096,8192,16384,32768 \
+    lightning-spec bench vocab --sizes 2048,4096,8192,16384,32768 \
         --counts sharegpt:4000 --counts store:$CACHE/rollouts/regenerated-... \
-        --output bench/results/smollm2_vocab_coverage.json
+        --output runs/bench/smollm2_vocab_coverage.json
 
 A reduced draft vocabulary (EAGLE-3's ``d2t``) can never propose a token outside it, so every
 such token in the text a drafter is verified on is a rejection whatever the drafter learned:
@@ -75,7 +75,7 @@ def coverage(texts: list[list[int]], in_vocab: torch.Tensor) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench vocab", description=__doc__.split("\n\n")[0])
     parser.add_argument("--texts", type=Path, default=None, help="a replay cache file (default: SmolLM2's 244-prompt one)")
     parser.add_argument("--counts", action="append", required=True, help="sharegpt:N or store:DIR (repeatable)")
     parser.add_argument("--sizes", default="2048,4096,8192,16384,32768")
@@ -115,6 +115,3 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(args.output, report)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

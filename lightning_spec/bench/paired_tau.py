@@ -5,7 +5,7 @@ each (committed tokens / verifications), the relative gain A/B - 1 with a 95% bo
 resampling prompts (the same prompts for both: a paired bootstrap), and the mean per-prompt tau
 difference with its interval. A gain counts only when its interval excludes 0.
 
-    python bench/paired_tau.py RESULT.json --pair speculative:gto/drafter,speculative:sft_control/drafter
+    lightning-spec bench paired RESULT.json --pair speculative:gto/drafter,speculative:sft_control/drafter
 
 `--merge OTHER.json` adds the drafters of another bench run on the same prompts, for a drafter
 benched in an earlier session. Only at T = 0, where tau is a deterministic function of drafter,
@@ -206,7 +206,7 @@ def merge_text(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lightning-spec bench paired", description=__doc__.splitlines()[0])
     parser.add_argument("result", type=Path)
     parser.add_argument("--pair", action="append", required=True, help="METHOD_A,METHOD_B")
     parser.add_argument(
@@ -258,6 +258,3 @@ def main(argv: list[str] | None = None) -> int:
         args.output.write_text(text + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

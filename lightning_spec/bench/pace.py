@@ -12,7 +12,7 @@ speed hits all of them alike, and reports:
   final hidden state, and the agreement of the target's argmax (the hard label) with fp32's.
 
     python bench/feature_throughput.py --settings fp32,fp32-prepack,bf16 --batch 4,8 \
-        --length 256 --repeats 3 --output bench/results/smollm2_feature_throughput.json
+        --length 256 --repeats 3 --output runs/bench/smollm2_feature_throughput.json
 """
 
 from __future__ import annotations
