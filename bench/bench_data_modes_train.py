@@ -11,7 +11,7 @@ every drafter on the same prompts (docs/benchmarking.md: ratios from one run).
 
     python bench/bench_data_modes_train.py --minutes 10 \\
         --conversations dataset=300 regenerated=100 mixture=70 \\
-        --output bench/results/smollm2_data_modes_equal_time.json
+        --output experiments/drafters/results/smollm2_data_modes_equal_time.json
 
 How many conversations each mode prepares is part of the recipe (a mode that prepares more
 has less time left to train); the defaults spend roughly 40% of a 10-minute budget on data in

@@ -9,7 +9,7 @@ of the same depths. Weights are random where no folder is given, so nearly nothi
 and every step drafts a full chain: the figure is the cost of one full draft.
 
     python bench/drafting_cost.py --eagle DIR --blocks 4,8,16 --layers 1,2,5 \\
-        --output bench/results/smollm2_drafting_cost.json
+        --output experiments/drafters/results/smollm2_drafting_cost.json
 
 Run it alone on the cores (a timing benchmark).
 """

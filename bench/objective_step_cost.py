@@ -7,7 +7,7 @@ optimizer steps (forward, backward, AdamW). GTO also reports its scoring through
 and tree rows/s through `score_trees_target`).
 
     python bench/objective_step_cost.py --drafter DIR --tree dynamic:2,8,8 --steps 10 \\
-        --output bench/results/smollm2_objective_step_cost.json
+        --output experiments/gto-draft-opd/results/smollm2_objective_step_cost.json
 
 ``--store CONFIG`` (a fit config whose regenerated store `lightning-spec prepare` built) or
 ``--greedy-texts N`` times the T = 0 objectives on the target's own greedy answers to N ShareGPT
@@ -17,7 +17,7 @@ every tree through the target, and Draft-OPD's reference form (chain blocks, pos
 suffix), reporting steps/s and trained tokens/s of each in one run.
 
     python bench/objective_step_cost.py --drafter DIR --greedy-texts 24 --new-tokens 128 \\
-        --steps 8 --output bench/results/smollm2_objective_step_cost_greedy.json
+        --steps 8 --output experiments/gto-draft-opd/results/smollm2_objective_step_cost_greedy.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ tokens before the first difference (batched arithmetic breaks near-ties differen
 differences are fine for training data but are counted).
 
     python bench/regen_throughput.py --prompts 64 --max-new-tokens 128 --batch 16,32,64 \
-        --settings fp32,fp32-prepack --output bench/results/smollm2_regen_throughput.json
+        --settings fp32,fp32-prepack --output experiments/drafter-data/results/smollm2_regen_throughput.json
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ committed tokens); the script fails on any difference (a batched answer cut to i
 prefix, counted in ``cut_prompts``, must be a prefix of the decoded text).
 
     python bench/rollout_replay.py --drafter DIR --prompts 16 --tree dynamic:2,4,8 --prepack \\
-        --output bench/results/smollm2_rollout_replay.json
+        --output experiments/gto-draft-opd/results/smollm2_rollout_replay.json
 """
 
 from __future__ import annotations

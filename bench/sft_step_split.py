@@ -8,7 +8,7 @@ for the target fp32 or prepacked and the drafter's step in fp32 or under bf16 au
 trainer's `bf16-mixed`; the target stays fp32), at each TTT depth asked, in one process.
 
     python bench/sft_step_split.py --batch 4 --length 512 --ttt 2,3 --repeats 3 \
-        --output bench/results/smollm2_sft_step_split.json
+        --output experiments/drafter-data/results/smollm2_sft_step_split.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 timed alone and at the same time, on the same requests.
 
     python bench/vllm_beside_probe.py --config configs/online_domain_shift_vllm.yaml \
-        --requests 20 --learner-threads 1,2 --output bench/results/vllm_beside_probe.json
+        --requests 20 --learner-threads 1,2 --output experiments/onlinespec/results/smollm2_online_shift_vllm/beside_probe.json
 
 `online --engine vllm` runs each round's update (the feedback's replay through our decoder and
 the strategy's AdamW steps) in series with serving, which cost 41% of the serving seconds on 2

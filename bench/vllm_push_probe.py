@@ -1,7 +1,7 @@
 """Can a running vLLM engine (its CPU build) take a new drafter without a restart, losslessly?
 
     python bench/vllm_push_probe.py --drafter DIR --other DIR2 --prompts 8 \
-        --output bench/results/vllm_push_probe.json
+        --output experiments/engines/results/vllm_push_probe.json
 
 One engine serves `--drafter` (EAGLE-3, K drafts a step); between rounds of the same prompts it
 is pushed, in order: the same drafter, `--other`, the first drafter again, a truncated file and a

@@ -10,7 +10,7 @@ models, for a tiny stress target (`lightning_spec.models.tiny.stress_target`, hi
 on both data paths (the target run in the step, and cached features).
 
     python bench/vocab_memory.py --vocab 49152 --vocab 131072 --vocab 262144 \
-        --tokens 1024 --batch 4 --output bench/results/vocab_memory.json
+        --tokens 1024 --batch 4 --output experiments/drafters/results/vocab_memory.json
 """
 
 from __future__ import annotations
