@@ -207,7 +207,7 @@ class DrafterCheckpoint(Callback):
 def training_data(trainer: Trainer, pl_module: LightningModule) -> list[dict[str, Any]]:
     """What this drafter trained on: the data module's selection (source, first N conversations,
     mode) after that of the `drafter_init` folder it started from, so `lightning-spec online`
-    can check that a stream's prompts are new to it (`serving.overlap`). An entry with source
+    can check that a stream's prompts are new to it (`online.overlap`). An entry with source
     None says a step of the chain did not record its data."""
     hparams = getattr(pl_module, "hparams", {}) or {}
     init = hparams.get("drafter_init") if hasattr(hparams, "get") else None

@@ -120,7 +120,7 @@ def test_a_seeded_cache_replays_without_generating_and_cuts_a_wrong_answer(
     that the replay reads as it is (nothing generated, the same steps); an answer that is not
     this target's greedy text is cut at its first wrong token, and counted."""
     from lightning_spec.bench.replay import _requests
-    from lightning_spec.serving.continuations import seed_continuations
+    from lightning_spec.online.continuations import seed_continuations
     from tests.conftest import load_module
 
     seeder = load_module(Path(__file__).parents[1] / "bench" / "seed_replay_cache.py", "seeder")

@@ -11,9 +11,9 @@ import pytest
 from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.online import make_strategy
-from lightning_spec.serving.online import load_feedback, run_stream
-from lightning_spec.serving.stream import Request
+from lightning_spec.online.loop import load_feedback, run_stream
+from lightning_spec.online.strategies import make_strategy
+from lightning_spec.online.stream import Request
 
 
 def _helpers():  # noqa: ANN202

@@ -29,7 +29,7 @@ def server(tiny_cli_assets: dict[str, str], tmp_path_factory: pytest.TempPathFac
     from lightning_spec.cli.serve import build_server
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
     from lightning_spec.models.target import load_target
-    from lightning_spec.serving.http import make_app
+    from lightning_spec.online.http import make_app
 
     root = tmp_path_factory.mktemp("serve")
     target = load_target(tiny_cli_assets["model"])

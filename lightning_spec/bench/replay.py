@@ -3,7 +3,7 @@
 At T = 0 the text a speculative decode commits is the target's greedy answer, whatever the
 drafter; only the verification steps (anchors, accepted drafts) depend on it. So the bench
 generates each prompt's greedy answer once, in batches, cut to its batch-1 greedy prefix and
-cached (`serving.continuations`), runs one teacher-forced target pass per prompt, and replays
+cached (`online.continuations`), runs one teacher-forced target pass per prompt, and replays
 every drafter under every tree on it with the decoder's own exact replay
 (`decoding.replay.replay_greedy`): the steps, hence tau and per-depth acceptance, are the ones a
 live greedy decode makes on that text (tests compare them). Drafting is all that is paid per
@@ -44,7 +44,7 @@ def default_cache(
 
 
 def _requests(datasets: Mapping[str, Sequence[tuple[list[int], dict[str, Any]]]]) -> list[Any]:
-    from lightning_spec.serving.stream import Request
+    from lightning_spec.online.stream import Request
 
     requests = []
     for name, items in datasets.items():
@@ -74,7 +74,7 @@ def replay_bench(
     "per_prompt"}`` with methods named as the live bench names them (``speculative:<label>``,
     ``@<tree>`` when there are several trees)."""
     from lightning_spec.decoding.replay import replay_greedy, text_pass
-    from lightning_spec.serving.continuations import stream_continuations
+    from lightning_spec.online.continuations import stream_continuations
 
     if not drafters or not trees:
         raise ValueError("replay bench needs at least one drafter and one tree")

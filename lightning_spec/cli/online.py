@@ -2,8 +2,8 @@
 
 Reads a YAML config (target, drafter folder, tree, the stream's segments and seed, round size,
 tokens per request, the strategy and its options, the output folder), builds the stream
-(`serving.stream`), serves it round by round with the chosen strategy learning in between
-(`serving.online`), logs every round to MLflow (`online/*`, SQLite store beside the output
+(`online.stream`), serves it round by round with the chosen strategy learning in between
+(`online.loop`), logs every round to MLflow (`online/*`, SQLite store beside the output
 folder unless MLFLOW_TRACKING_URI says otherwise) and prints the prequential summary. Started
 again with the same output folder, a killed stream resumes at its round. Strategies here:
 `frozen`, `ogd`, `optimistic`, `ensemble`, `osd`, `dpo` (docs/methods/onlinespec.md).
@@ -17,14 +17,14 @@ feedback as live decoding at T = 0, at a fraction of the time (tokens/s then com
 run). ``live_check: true`` (with ``replay: false``) decodes live and checks every output
 against those cached greedy answers: the live confirmation of a replayed comparison, with
 ``greedy_mismatches`` per round (any: exit status 1). ``update_beside: true`` runs each update
-in a worker thread while the next round is served (`serving.beside`; with ``threads: 1`` the
+in a worker thread while the next round is served (`online.beside`; with ``threads: 1`` the
 server and the update take one core each), charging only the server's wait for it. ``--hindsight 0.7`` serves nothing
 online: it fits the strategy on the first 70% of the replayed stream for
-tau on those requests is read against (`serving.hindsight`).
+tau on those requests is read against (`online.hindsight`).
 
 ``--engine vllm`` (``engine: vllm``, with ``tree: chain:K``): vLLM's CPU build serves the stream
 with the drafter folder; after each update the new drafter is pushed into the running engine
-(`serving.engines`, `serving/vllm_draft.py`: checked, all or nothing) and the learner rebuilds
+(`online.engines`, `online/vllm_draft.py`: checked, all or nothing) and the learner rebuilds
 its feedback by replaying each served reply; every update, push and replay second is charged.
 """
 
@@ -121,8 +121,8 @@ def start_vllm_engine(config: dict[str, Any], out: Path) -> Any:
     """vLLM's CPU build serving the config's drafter at the tree's chain depth (installed into
     the asset cache the first time)."""
     from lightning_spec.bench.vllm import target_folder
+    from lightning_spec.online.vllm_engine import VllmOnlineEngine
     from lightning_spec.tools.vllm import ensure_vllm
-    from lightning_spec.serving.vllm_engine import VllmOnlineEngine
 
     out.mkdir(parents=True, exist_ok=True)
     k = int(str(config["tree"]).split(":", 1)[1])
@@ -139,7 +139,7 @@ def check_stream_is_new(config: dict[str, Any], requests: list[Any], out: Path) 
     those requests from `requests` (in place, listed in overlap.json as ``dropped``) instead: a
     narrow domain repeats itself (a docstring shared by two functions), and the rest of the
     stream is still new."""
-    from lightning_spec.serving.overlap import check_overlap, drafter_training_data, stream_prompts
+    from lightning_spec.online.overlap import check_overlap, drafter_training_data, stream_prompts
 
     training = drafter_training_data(config["drafter"]) or config.get("train_data")
     if not training:
@@ -172,7 +172,7 @@ def check_stream_is_new(config: dict[str, Any], requests: list[Any], out: Path) 
 
 def stream_segments(config: dict[str, Any]) -> list[Any]:
     """The config's stream as `Segment`s, in order (`load_config` checked their fields)."""
-    from lightning_spec.serving.stream import Segment
+    from lightning_spec.online.stream import Segment
 
     return [
         Segment(
@@ -251,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from lightning_spec import specs
-    from lightning_spec.objectives.online import make_strategy
-    from lightning_spec.serving.online import run_stream
-    from lightning_spec.serving.stream import build_stream
+    from lightning_spec.online.loop import run_stream
+    from lightning_spec.online.strategies import make_strategy
+    from lightning_spec.online.stream import build_stream
     from lightning_spec.tracking import make_mlflow_logger
 
     torch.set_num_threads(int(config["threads"]))
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     guard = None
     exclude: set[tuple[str, str]] = set()
     if config.get("guard"):
-        from lightning_spec.serving.online import SafetyGuard
+        from lightning_spec.online.loop import SafetyGuard
 
         spec = dict(config["guard"])
         source = str(spec.get("source", "mtbench"))
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.get("replay") or config.get("live_check"):
         # T = 0: answers generated once in batches; every strategy replays them (replay) or
         # decodes live and is checked against them (live_check)
-        from lightning_spec.serving.continuations import stream_continuations
+        from lightning_spec.online.continuations import stream_continuations
 
         cache = config.get("replay_cache") or Path(config["out_dir"]).parent / "continuations.jsonl"
         continuations = stream_continuations(
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.log_hyperparams({k: json.dumps(v) if isinstance(v, (list, dict)) else v
                             for k, v in config.items()})  # fmt: skip
     if args.hindsight is not None:
-        from lightning_spec.serving.hindsight import run_hindsight
+        from lightning_spec.online.hindsight import run_hindsight
 
         try:
             rows = run_hindsight(

@@ -1,7 +1,7 @@
 """`lightning-spec serve`: an OpenAI-style completion endpoint that learns online.
 
-Loads the target and a drafter, wraps them in `serving.http.OnlineServer` with an online
-strategy (`objectives.online`: frozen, ogd, optimistic, ensemble, osd, dpo) and serves it with
+Loads the target and a drafter, wraps them in `online.http.OnlineServer` with an online
+strategy (`online.strategies`: frozen, ogd, optimistic, ensemble, osd, dpo) and serves it with
 uvicorn. Every `--round-size` greedy requests the drafter is updated (charged to serving: the
 next request waits) and published as a drafter folder under `--out-dir/drafters/`.
 
@@ -40,8 +40,8 @@ def build_server(args: argparse.Namespace):  # noqa: ANN201 - OnlineServer (lazy
     import torch
 
     from lightning_spec import specs
-    from lightning_spec.objectives.online import make_strategy
-    from lightning_spec.serving.http import OnlineServer
+    from lightning_spec.online.http import OnlineServer
+    from lightning_spec.online.strategies import make_strategy
 
     torch.set_num_threads(args.threads)
     target = specs.resolve_target(args.target, "fp32")
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import uvicorn
 
-    from lightning_spec.serving.http import make_app
+    from lightning_spec.online.http import make_app
 
     app = make_app(build_server(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

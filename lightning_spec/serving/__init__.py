@@ -1,1 +1,2 @@
-"""Serving: the online loop of OnlineSpec (learn from what is served) and, later, its HTTP face."""
+"""Moved to `lightning_spec.online` (`serving.online` is now `online.loop`); each module here
+warns and hands over its new one, and the package goes in the next release."""

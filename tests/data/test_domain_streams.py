@@ -10,7 +10,7 @@ import pytest
 
 from lightning_spec.cli import online as online_cli
 from lightning_spec.data.domain_streams import build_domain, stdlib_functions
-from lightning_spec.serving.stream import Segment, build_stream
+from lightning_spec.online.stream import Segment, build_stream
 
 LONG = "This docstring has well over fifteen words so that it counts as a documented public function here."
 

@@ -18,10 +18,10 @@ CHAIN, NEW_TOKENS = 3, 40
 def test_a_push_changes_what_vllm_drafts_never_what_it_outputs(tmp_path, engine_drafter) -> None:  # noqa: ANN001
     from lightning_spec.bench.vllm import run_vllm, to_prompt_results, vllm_mode
     from lightning_spec.data.assets import default_target_path
-    from lightning_spec.tools.vllm import VllmMissing, find_vllm
     from lightning_spec.models.drafters.base import load_drafter
-    from lightning_spec.serving.engines import PushFailed, engine_tau
-    from lightning_spec.serving.vllm_engine import VllmOnlineEngine
+    from lightning_spec.online.engines import PushFailed, engine_tau
+    from lightning_spec.online.vllm_engine import VllmOnlineEngine
+    from lightning_spec.tools.vllm import VllmMissing, find_vllm
 
     try:
         env = find_vllm()

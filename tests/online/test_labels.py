@@ -14,12 +14,12 @@ from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.online import make_strategy
-from lightning_spec.objectives.online_loss import feedback_batch, online_loss, soft_targets
-from lightning_spec.serving.online import replay_request
+from lightning_spec.online.loop import replay_request
+from lightning_spec.online.losses import feedback_batch, online_loss, soft_targets
+from lightning_spec.online.strategies import make_strategy
 from tests.conftest import load_module
 
-HELPERS = load_module(Path(__file__).with_name("test_sft.py"), "sft_helpers_online_labels")
+HELPERS = load_module(Path(__file__).parents[1] / "objectives" / "test_sft.py", "sft_helpers_online_labels")
 POLICY = "dynamic:3,3,8"
 
 

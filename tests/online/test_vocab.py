@@ -15,12 +15,12 @@ from lightning_spec.decoding.engine import Generation, SpeculativeDecoder
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
 from lightning_spec.models.vocab import draft_to_target_ids
-from lightning_spec.objectives.online import make_strategy
-from lightning_spec.objectives.online_loss import draft_vocab_miss, feedback_batch
-from lightning_spec.objectives.online_vocab import VocabGrowth, swap_draft_vocab
+from lightning_spec.online.losses import draft_vocab_miss, feedback_batch
+from lightning_spec.online.strategies import make_strategy
+from lightning_spec.online.vocab import VocabGrowth, swap_draft_vocab
 from tests.conftest import load_module
 
-HELPERS = load_module(Path(__file__).with_name("test_sft.py"), "sft_helpers_online_vocab")
+HELPERS = load_module(Path(__file__).parents[1] / "objectives" / "test_sft.py", "sft_helpers_online_vocab")
 
 
 @pytest.fixture(scope="module")

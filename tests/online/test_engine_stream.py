@@ -15,10 +15,10 @@ from lightning_spec.decoding.engine import autoregressive_generate
 from lightning_spec.io import sha256_file
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.online import make_strategy
-from lightning_spec.serving.engines import DecoderEngine, engine_tau
-from lightning_spec.serving.online import SERVED_DRAFTER, run_stream
-from lightning_spec.serving.stream import Request
+from lightning_spec.online.engines import DecoderEngine, engine_tau
+from lightning_spec.online.loop import SERVED_DRAFTER, run_stream
+from lightning_spec.online.strategies import make_strategy
+from lightning_spec.online.stream import Request
 from tests.conftest import load_module
 
 HELPERS = load_module(Path(__file__).parents[1] / "objectives" / "test_sft.py", "sft_helpers_engine")
@@ -116,7 +116,7 @@ def test_a_failed_push_leaves_the_previous_drafter_serving(target: TargetModel, 
 
 
 def test_a_push_dying_mid_load_restores_the_served_weights(target: TargetModel, tmp_path: Path) -> None:
-    from lightning_spec.serving.engines import PushFailed
+    from lightning_spec.online.engines import PushFailed
 
     engine = _engine(target, tmp_path / "start", fail_on_push=1)
     before = {k: v.clone() for k, v in engine.drafter.state_dict().items()}
@@ -175,8 +175,8 @@ def test_feedback_is_replayed_with_the_drafter_the_engine_still_serves(
 ) -> None:
     """Every push is refused, so the engine serves its first drafter throughout while the learner
     moves away from it: the feedback must be rebuilt with the served drafter's weights."""
-    import lightning_spec.serving.online as online
-    from lightning_spec.serving.engines import PushFailed
+    import lightning_spec.online.loop as online
+    from lightning_spec.online.engines import PushFailed
 
     engine = _engine(target, tmp_path / "start")
     first = engine.served

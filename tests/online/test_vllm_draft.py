@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightning_spec.serving.vllm_draft import DraftRejected, push_drafter, read_drafter
+from lightning_spec.online.vllm_draft import DraftRejected, push_drafter, read_drafter
 
 
 def drafter_folder(path: Path, scale: float, **extra: torch.Tensor) -> Path:

@@ -1,11 +1,11 @@
 """Runs inside vLLM's own environment: one engine serving our drafter, which can be replaced
 while the engine runs (OnlineSpec inside vLLM).
 
-    python vllm_online_worker.py          # JSON lines in on stdin, out on stdout
+    python vllm_worker.py                 # JSON lines in on stdin, out on stdout
 
 Imports only the standard library, torch, safetensors and vLLM (it runs under vLLM's interpreter);
-its neighbours `vllm_draft.py` and `bench/vllm_worker.py` are loaded from their files. vLLM's own
-output goes to stderr: stdout carries only the protocol.
+`vllm_draft.py` beside it and the benchmark's worker `../bench/vllm_worker.py` are loaded from
+their files. vLLM's own output goes to stderr: stdout carries only the protocol.
 
 First line in: the spec (``target``, ``dtype``, ``mode`` as `bench/vllm.py`'s `vllm_mode` writes
 it, ``max_model_len``, ``seed``, ``enforce_eager``). Reply: ``{"ready": true, "served": sha256}``.

@@ -16,18 +16,18 @@ from lightning_spec.decoding.build import parse_tree_spec
 from lightning_spec.decoding.engine import SpeculativeDecoder, autoregressive_generate
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.online import make_strategy, timed_served_loss
-from lightning_spec.objectives.online_loss import (
+from lightning_spec.online.loop import prequential_summary, run_stream, served_totals
+from lightning_spec.online.losses import (
     epoch_minibatches,
     feedback_batch,
     online_loss,
     topk_hits,
 )
-from lightning_spec.serving.online import prequential_summary, run_stream, served_totals
-from lightning_spec.serving.stream import Request
+from lightning_spec.online.strategies import make_strategy, timed_served_loss
+from lightning_spec.online.stream import Request
 from tests.conftest import load_module
 
-HELPERS = load_module(Path(__file__).with_name("test_sft.py"), "sft_helpers_online")
+HELPERS = load_module(Path(__file__).parents[1] / "objectives" / "test_sft.py", "sft_helpers_online")
 POLICY = "dynamic:3,3,8"
 
 
@@ -111,7 +111,7 @@ def _round(target: TargetModel, drafter, count: int = 2) -> list:  # noqa: ANN00
 
 
 def test_optimistic_update_uses_the_last_gradient_as_hint(target: TargetModel) -> None:
-    from lightning_spec.objectives.online import _round_gradient, _trainable
+    from lightning_spec.online.strategies import _round_gradient, _trainable
 
     drafter = HELPERS._drafter(target)
     generations = _round(target, drafter)
@@ -146,7 +146,7 @@ def test_optimistic_update_uses_the_last_gradient_as_hint(target: TargetModel) -
 
 
 def test_ensemble_serves_the_hedge_weighted_average(target: TargetModel) -> None:
-    from lightning_spec.objectives.online import _trainable
+    from lightning_spec.online.strategies import _trainable
 
     drafter = HELPERS._drafter(target)
     generations = _round(target, drafter)
@@ -181,9 +181,9 @@ def test_the_safety_guard_rolls_back_an_update_that_costs_acceptance(
     target: TargetModel, tmp_path: Path
 ) -> None:
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
-    from lightning_spec.objectives.online import _trainable
     from lightning_spec.objectives.sft import EagleSFT
-    from lightning_spec.serving.online import SafetyGuard
+    from lightning_spec.online.loop import SafetyGuard
+    from lightning_spec.online.strategies import _trainable
 
     policy = parse_tree_spec(POLICY)
     drafter = Eagle3Drafter.from_target(target, intermediate_size=64)  # the full vocabulary
@@ -210,7 +210,7 @@ def test_the_safety_guard_rolls_back_an_update_that_costs_acceptance(
 
 
 def test_rejection_slots_are_where_the_target_chose_otherwise(target: TargetModel) -> None:
-    from lightning_spec.objectives.online_loss import rejection_slots
+    from lightning_spec.online.losses import rejection_slots
 
     drafter = HELPERS._drafter(target)
     generations = _round(target, drafter, 3)
@@ -236,7 +236,7 @@ def test_osd_and_dpo_learn_from_the_rejections(target: TargetModel) -> None:
         -torch.nn.functional.logsigmoid(torch.tensor(0.0)).item(), abs=1e-6
     )  # the first step compares the drafter with itself: margin 0, loss log 2
     batch, pairs = dpo.pairs(generations)
-    from lightning_spec.objectives.online_loss import pair_logprobs
+    from lightning_spec.online.losses import pair_logprobs
 
     with torch.no_grad():
         chosen, rejected = pair_logprobs(dpo.drafter, batch, pairs)
@@ -304,7 +304,7 @@ def test_a_replayed_stream_equals_the_live_one(
     """Answers generated once in batches and replayed give every request the tau, tokens and
     feedback of live decoding, also after OGD has moved the drafter; the cache resumes."""
     from lightning_spec.data import regenerate
-    from lightning_spec.serving.continuations import stream_continuations
+    from lightning_spec.online.continuations import stream_continuations
 
     policy = parse_tree_spec(POLICY)
     requests = _requests(6)
@@ -370,7 +370,7 @@ def test_a_replayed_stream_equals_the_live_one(
 def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None:
     """Minibatch epochs (the default), OSD at the first rejected position only, the ensemble's
     learners restarted from the average, and the share of served tokens no draft can cover."""
-    from lightning_spec.objectives.online_loss import draft_vocab_miss, rejection_slots
+    from lightning_spec.online.losses import draft_vocab_miss, rejection_slots
 
     drafter = HELPERS._drafter(target)  # a 48-token draft vocabulary of 128
     generations = [_round(target, drafter, 3)[i] for i in range(3)]
@@ -432,8 +432,8 @@ def test_the_hindsight_ceiling_fits_on_the_head_and_scores_the_tail(
     """The configured learner fitted on the first 70% of a replayed stream for several epochs,
     then frozen on the rest: its rows are the tail's requests, its fitted drafter is what
     served them (equal to re-serving the tail with that drafter), and a killed run resumes."""
-    from lightning_spec.serving.continuations import stream_continuations
-    from lightning_spec.serving.hindsight import (
+    from lightning_spec.online.continuations import stream_continuations
+    from lightning_spec.online.hindsight import (
         FIT_CHECKPOINT,
         SUMMARY,
         hindsight_split,
@@ -481,7 +481,7 @@ def test_committed_feedback_teaches_what_a_replay_teaches(target: TargetModel) -
     """The hindsight fit's feedback without drafting: the same tokens, features and labels as a
     replay, so a learner that reads no records ends up with the very same weights."""
     from lightning_spec.decoding.replay import ReplayMismatch, committed_feedback
-    from lightning_spec.serving.online import replay_request
+    from lightning_spec.online.loop import replay_request
 
     policy = parse_tree_spec(POLICY)
     drafter = HELPERS._drafter(target)
@@ -511,7 +511,7 @@ def test_update_every_k_rounds_learns_from_the_k_rounds_together_and_resumes(
 ) -> None:
     """`update_every: 2`: the strategy learns after rounds 2 and 4, each time from both rounds'
     requests; a run killed after round 1 keeps round 1's served requests for the next update."""
-    from lightning_spec.objectives.online import FrozenStrategy
+    from lightning_spec.online.strategies import FrozenStrategy
 
     class Counting(FrozenStrategy):
         name = "counting"
@@ -558,8 +558,8 @@ def test_updates_beside_serving_are_served_a_round_later_and_resume(
     first served by it; the last round is not learned from (nothing is left to serve); a run
     killed mid-stream relaunches the update it had in flight and ends where an unbroken one
     does."""
-    from lightning_spec.objectives.online import FrozenStrategy
-    from lightning_spec.serving import online
+    import lightning_spec.online.loop as online
+    from lightning_spec.online.strategies import FrozenStrategy
 
     policy = parse_tree_spec(POLICY)
     requests = _requests(6)

@@ -1,4 +1,4 @@
-"""The stream-vs-training-set check (`serving.overlap`) and its use by `lightning-spec online`."""
+"""The stream-vs-training-set check (`online.overlap`) and its use by `lightning-spec online`."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from callbacks.checkpoint import STATE_FILE, training_data
+from lightning_spec.callbacks.checkpoint import STATE_FILE, training_data
 from lightning_spec.cli.online import check_stream_is_new
-from lightning_spec.serving.overlap import (
+from lightning_spec.online.overlap import (
     check_overlap,
     drafter_training_data,
     parse_selection,
     stream_prompts,
 )
-from lightning_spec.serving.stream import Request
+from lightning_spec.online.stream import Request
 
 DOCS = [
     "Return the absolute value of the argument, rounded toward zero when it is a float.",
