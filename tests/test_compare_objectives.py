@@ -1,4 +1,5 @@
-"""bench/compare_objectives.py: equal budgets, outputs redirected, nothing else changed."""
+"""lightning-spec bench compare (lightning_spec/bench/compare_objectives.py): equal budgets, outputs
+redirected, nothing else changed."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def compare(bench_script):  # noqa: ANN001, ANN201
-    return bench_script("compare_objectives")
+def compare():  # noqa: ANN201
+    from lightning_spec.bench import compare_objectives
+
+    return compare_objectives
 
 
 def test_budgeted_config_resizes_the_budget_and_moves_outputs(compare, tmp_path: Path) -> None:

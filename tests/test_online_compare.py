@@ -1,4 +1,5 @@
-"""bench/online_compare.py: the comparison table and figure from hand-made stream logs."""
+"""lightning-spec bench online (lightning_spec/bench/online_compare.py): the comparison table and
+figure from hand-made stream logs."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def compare(bench_script):  # noqa: ANN001, ANN201
-    return bench_script("online_compare")
+def compare():  # noqa: ANN201
+    from lightning_spec.bench import online_compare
+
+    return online_compare
 
 
 def _write(folder: Path, taus: list[float], update: float) -> None:
@@ -202,9 +205,8 @@ def test_killing_the_wrapper_takes_its_strategy_child_down(tmp_path: Path) -> No
     pid_file = tmp_path / "child.pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     wrapper = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('oc', {str(ROOT / 'bench/online_compare.py')!r})\n"
-        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "import sys\n"
+        "from lightning_spec.bench import online_compare as module\n"
         f"sys.exit(module.run_child([sys.executable, '-c', {child!r}]))\n"
     )
     process = subprocess.Popen([sys.executable, "-c", wrapper], cwd=ROOT)

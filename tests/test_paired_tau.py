@@ -1,4 +1,4 @@
-"""bench/paired_tau.py on a hand-made bench result."""
+"""lightning-spec bench paired (lightning_spec/bench/paired_tau.py) on a hand-made bench result."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def paired(bench_script):  # noqa: ANN001, ANN201
-    return bench_script("paired_tau")
+def paired():  # noqa: ANN201
+    from lightning_spec.bench import paired_tau
+
+    return paired_tau
 
 
 def _entry(dataset: str, a: tuple[int, int], b: tuple[int, int]) -> dict:

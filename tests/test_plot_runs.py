@@ -1,4 +1,5 @@
-"""bench/plot_runs.py: metric series from real run mirrors, summaries, the PNG."""
+"""lightning-spec bench plot (lightning_spec/bench/plot_runs.py): metric series from real run
+mirrors, summaries, the PNG."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from lightning_spec.tracking.mirror import MIRROR_NAME
 
 
 @pytest.fixture(scope="module")
-def plot(bench_script):  # noqa: ANN001, ANN201
-    return bench_script("plot_runs")
+def plot():  # noqa: ANN201
+    from lightning_spec.bench import plot_runs
+
+    return plot_runs
 
 
 def _mirror(folder: Path, rows: list[tuple[float, int, dict]]) -> Path:

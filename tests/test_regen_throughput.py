@@ -1,12 +1,14 @@
-"""bench/regen_throughput.py: the fidelity of batched answers against one-at-a-time greedy."""
+"""lightning-spec bench pace --what regen (lightning_spec/bench/pace.py): the fidelity of batched
+answers against one-at-a-time greedy."""
 
 from __future__ import annotations
 
 import pytest
 
 
-def test_fidelity_counts_identical_answers_and_the_agreed_prefix(bench_script) -> None:  # noqa: ANN001
-    regen = bench_script("regen_throughput")
+def test_fidelity_counts_identical_answers_and_the_agreed_prefix() -> None:
+    from lightning_spec.bench import pace as regen
+
     reference = [[1, 2, 3, 4], [5, 6], [7, 8, 9, 10]]
     answers = [[1, 2, 3, 4], [5, 9], [7, 8, 9, 10, 11]]  # one near-tie, one ran past the EOS
     out = regen.fidelity(answers, reference)

@@ -129,8 +129,9 @@ def test_the_where_command_reports_a_missing_install(tmp_path: Path, capsys: pyt
     assert "lightning_spec.tools.vllm build" in capsys.readouterr().err
 
 
-def test_k_pick_and_batched_rows(bench_script) -> None:  # noqa: ANN001
-    module = bench_script("vllm_bench")
+def test_k_pick_and_batched_rows() -> None:
+    from lightning_spec.bench import vllm_bench as module
+
     # alpha 0.5 at every depth: E[tau(K)] = 1.5, 1.75, 1.875; steps cost 1.0, 1.1, 1.5 s
     pick = module.pick_k([0.5, 0.5, 0.5], {1: 1.0, 2: 1.1, 3: 1.5})
     assert pick["k"] == 2 and pick["predicted_tokens_per_second"][2] == pytest.approx(1.75 / 1.1)

@@ -1,4 +1,5 @@
-"""bench/vocab_coverage.py on hand-made texts: token coverage and j-in-a-row shares."""
+"""lightning-spec bench vocab (lightning_spec/bench/vocab_coverage.py) on hand-made texts: token
+coverage and j-in-a-row shares."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import pytest
 import torch
 
 
-def test_coverage_counts_tokens_and_runs(bench_script) -> None:  # noqa: ANN001
-    module = bench_script("vocab_coverage")
+def test_coverage_counts_tokens_and_runs() -> None:
+    from lightning_spec.bench import vocab_coverage as module
+
     in_vocab = torch.zeros(10, dtype=torch.bool)
     in_vocab[[1, 2, 3]] = True
     result = module.coverage([[1, 2, 9, 3], [2, 2]], in_vocab)
@@ -22,8 +24,9 @@ def test_coverage_counts_tokens_and_runs(bench_script) -> None:  # noqa: ANN001
     assert runs[5] is None  # no text has six tokens
 
 
-def test_replay_texts_group_by_dataset(bench_script, tmp_path: Path) -> None:  # noqa: ANN001
-    module = bench_script("vocab_coverage")
+def test_replay_texts_group_by_dataset(tmp_path: Path) -> None:
+    from lightning_spec.bench import vocab_coverage as module
+
     path = tmp_path / "texts.jsonl"
     rows = [{"header": True}, {"id": "mtbench:0:a", "tokens": [1, 2]}, {"id": "humaneval:3:b", "tokens": [4]},
             {"id": "mtbench:1:c", "tokens": [5]}]  # fmt: skip

@@ -29,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench": (
         "lightning_spec.cli.bench",
-        "measure tau and speedup against baselines, side by side",
+        "measure tau and speedup side by side; `bench --help` lists the suite (vllm, ...)",
     ),
     "calibrate": (
         "lightning_spec.cli.calibrate",
@@ -99,7 +99,7 @@ SIGTERM_EXIT = 143  # 128 + SIGTERM, what a shell reports for a process the sign
 def _run_lightning(args: Sequence[str] | None) -> int:
     """A Lightning subcommand; a run stopped by SIGTERM exits non-zero. Lightning ends it with
     `SIGTERMException`, a bare `SystemExit` (status 0), after the on-exception checkpoint: a
-    wrapper (a scheduler, `bench/compare_objectives.py`) would take the stopped run for a
+    wrapper (a scheduler, `lightning-spec bench compare`) would take the stopped run for a
     finished one and keep its half-trained drafter."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 

@@ -5,13 +5,19 @@ of docs/benchmarking.md and the meaning of tau are described there); targets, dr
 trees are resolved by `lightning_spec.specs`. ``--tree auto`` calibrates first
 (`lightning_spec.bench.calibrate`). The markdown table goes to stdout, ``--output`` writes the
 JSON and the table beside it.
+
+The rest of the benchmark suite are subcommands, ``lightning-spec bench NAME ...`` (`SUITE`):
+each is a module of `lightning_spec.bench` with its own parser and ``main(argv)``, imported
+only when named.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,15 +30,71 @@ from lightning_spec.bench.report import to_markdown, write_outputs
 from lightning_spec.bench.runner import METHODS, run_bench
 from lightning_spec.specs import PromptItem
 
-__all__ = ["build_parser", "drafter_labels", "main"]
+__all__ = ["SUITE", "build_parser", "drafter_labels", "main"]
+
+# name -> (module with `main(argv) -> int`, one-line help): `lightning-spec bench NAME ...`
+SUITE: dict[str, tuple[str, str]] = {
+    "vllm": (
+        "lightning_spec.bench.vllm_bench",
+        "vLLM plain vs vLLM + your drafter vs vLLM's ngram, one run (vLLM's CPU build)",
+    ),
+    "llamacpp": (
+        "lightning_spec.bench.llamacpp_bench",
+        "llama.cpp plain vs llama.cpp + your drafter vs llama.cpp's own speculation",
+    ),
+    "paired": (
+        "lightning_spec.bench.paired_tau",
+        "paired tau comparisons between the drafters of bench runs, with intervals",
+    ),
+    "compare": (
+        "lightning_spec.bench.compare_objectives",
+        "train several objectives from one drafter at an equal budget, in turn",
+    ),
+    "online": (
+        "lightning_spec.bench.online_compare",
+        "every OnlineSpec strategy on the same request stream, and their table",
+    ),
+    "profile": (
+        "lightning_spec.bench.profile_step",
+        "where one speculative-decoding step spends its time, and the machine's floor",
+    ),
+    "vocab": (
+        "lightning_spec.bench.vocab_coverage",
+        "how much of the target's greedy text a draft vocabulary of each size can draft",
+    ),
+    "plot": (
+        "lightning_spec.bench.plot_runs",
+        "one metric of several training runs over training, as a PNG",
+    ),
+    "kernels": (
+        "lightning_spec.bench.kernels_bench",
+        "the Triton tree kernels against SDPA and the references (GPU)",
+    ),
+    "pace": (
+        "lightning_spec.bench.pace",
+        "machine pace: feature, regeneration and SFT-step throughput (--what)",
+    ),
+}
+
+
+def suite_help() -> str:
+    """The suite's subcommands, one line each, for `lightning-spec bench --help`."""
+    lines = ["the benchmark suite: lightning-spec bench NAME ... (NAME --help for its options)"]
+    lines += [f"  {name:<9} {text}" for name, (_, text) in SUITE.items()]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-spec bench",
-        description="Measure tau, per-depth acceptance and wall-clock speedup of speculative "
-        "decoding against autoregressive decoding, HF generate and HF prompt lookup, "
-        "interleaved per prompt.",
+        description=textwrap.fill(
+            "Measure tau, per-depth acceptance and wall-clock speedup of speculative "
+            "decoding against autoregressive decoding, HF generate and HF prompt lookup, "
+            "interleaved per prompt.",
+            width=94,
+        ),
+        epilog=suite_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--target", default="smollm2", help="smollm2, a model folder or hub id")
     parser.add_argument(
@@ -185,7 +247,12 @@ def drafter_weights_sha256(specs: Sequence[str]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """`lightning-spec bench`; returns 0, 1 when greedy outputs mismatched, 3 when busy and
-    --require-idle was given."""
+    --require-idle was given. ``lightning-spec bench NAME ...`` runs the suite's `NAME`."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] in SUITE:
+        module = importlib.import_module(SUITE[argv[0]][0])
+        return int(module.main(list(argv[1:])) or 0)
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -362,15 +362,16 @@ def test_package_imports_and_falls_back_without_triton() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script benchmarks for minutes")
 def test_bench_script_runs_its_cpu_check_from_outside_the_repository(tmp_path: Path) -> None:
-    """The benchmark must work on a bare image: without CUDA it exits 0, and --cpu-check loads
-    the kernels by path when lightning_spec is not importable and checks them."""
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_kernels.py"
+    """The benchmark (`lightning-spec bench kernels`) must work on a bare image: without CUDA it
+    exits 0, and --cpu-check loads the kernels by path when lightning_spec is not importable and
+    checks them."""
+    script = ["-m", "lightning_spec.cli", "bench", "kernels"]
     plain = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        [sys.executable, *script], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert plain.returncode == 0 and "No CUDA device" in plain.stdout
     check = subprocess.run(
-        [sys.executable, str(script), "--cpu-check"],
+        [sys.executable, *script, "--cpu-check"],
         capture_output=True,
         text=True,
         timeout=300,
