@@ -116,14 +116,17 @@ def test_cli_replay(tmp_path: Path) -> None:
 def test_a_seeded_cache_replays_without_generating_and_cuts_a_wrong_answer(
     target: TargetModel, tmp_path: Path
 ) -> None:
-    """`bench/seed_replay_cache.py`'s core: an earlier run's per-prompt text seeds a new cache
-    that the replay reads as it is (nothing generated, the same steps); an answer that is not
-    this target's greedy text is cut at its first wrong token, and counted."""
+    """`experiments/drafter-data/scripts/seed_replay_cache.py`'s core: an earlier run's per-prompt
+    text seeds a new cache that the replay reads as it is (nothing generated, the same steps);
+    an answer that is not this target's greedy text is cut at its first wrong token, and
+    counted."""
     from lightning_spec.bench.replay import _requests
     from lightning_spec.online.continuations import seed_continuations
     from tests.conftest import load_module
 
-    seeder = load_module(Path(__file__).parents[1] / "bench" / "seed_replay_cache.py", "seeder")
+    seeder = load_module(
+        Path(__file__).parents[1] / "experiments/drafter-data/scripts/seed_replay_cache.py", "seeder"
+    )
     drafters = {"eagle": Eagle3Drafter.from_target(target, seed=3)}
     datasets = {"toy": _prompts(3, seed=5)}
     first = replay_bench(target, drafters, ["chain:3"], datasets, max_new_tokens=16,

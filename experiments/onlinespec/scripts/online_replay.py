@@ -13,7 +13,7 @@ top1_0 is the chain's first-token acceptance, a proxy of tau, not tau; top4_0 (`
 the first level of a tree with 4 root children, closer to what `dynamic:2,4,8` accepts (on
 Hydra a +1.1-point top1_0 gain came with an unchanged live tau: BENCHMARKS.md section 17).
 
-    python bench/online_replay.py --feedback runs/online_dev/frozen --drafter D \\
+    python experiments/onlinespec/scripts/online_replay.py --feedback runs/online_dev/frozen --drafter D \\
         --variant frozen=frozen --variant ogd=ogd,lr=3e-4,steps_per_round=4 \\
         --output runs/online_dev/replay.json
 """
@@ -74,8 +74,8 @@ def replay(
     top_k: int = 1,
 ) -> list[dict[str, float]]:
     """Per round: the served model's metrics on the round, then the update's metrics."""
-    from lightning_spec.objectives.online import make_strategy
-    from lightning_spec.objectives.online_loss import feedback_batch, online_metrics
+    from lightning_spec.online.losses import feedback_batch, online_metrics
+    from lightning_spec.online.strategies import make_strategy
 
     # every learning strategy trains its own copy and frozen never writes: `drafter` stays as given
     strategy = make_strategy(strategy_name, drafter, **options)
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from lightning_spec import specs
-    from lightning_spec.serving.online import load_feedback
+    from lightning_spec.online.loop import load_feedback
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

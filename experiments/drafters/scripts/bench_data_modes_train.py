@@ -9,7 +9,7 @@ from an empty rollout cache of its own (so nobody reuses anyone's features), and
 objective from `configs/quickstart.yaml`. Then one interleaved `lightning-spec bench` measures
 every drafter on the same prompts (docs/benchmarking.md: ratios from one run).
 
-    python bench/bench_data_modes_train.py --minutes 10 \\
+    python experiments/drafters/scripts/bench_data_modes_train.py --minutes 10 \\
         --conversations dataset=300 regenerated=100 mixture=70 \\
         --output experiments/drafters/results/smollm2_data_modes_equal_time.json
 
@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_CONVERSATIONS = {"dataset": 300, "regenerated": 100, "mixture": 70}
 
 

@@ -7,9 +7,9 @@ data side costs in each mode: preparation time (rendering, regeneration), loader
 padding waste and the share of loss tokens, as JSON. With ``--throughput`` it measures
 batched regeneration tokens/s of the target at several batch sizes instead.
 
-    python bench/bench_data_modes.py --modes dataset regenerated mixture \\
+    python experiments/drafters/scripts/bench_data_modes.py --modes dataset regenerated mixture \\
         --max-conversations 200 --output data_modes.json
-    python bench/bench_data_modes.py --throughput --prompts 16 --batch-sizes 1 4 8 \\
+    python experiments/drafters/scripts/bench_data_modes.py --throughput --prompts 16 --batch-sizes 1 4 8 \\
         --max-new-tokens 64 --threads 2
 
 Timings on a shared machine are unstable: pin ``--threads``, check the load average (printed),

@@ -1,4 +1,4 @@
-"""bench/objective_step_cost.py --greedy-texts: every T = 0 objective timed on the same cached
+"""scripts/objective_step_cost.py --greedy-texts: every T = 0 objective timed on the same cached
 greedy batches in one run (tiny target and drafter)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 
 def test_greedy_mode_times_sft_gto_both_paths_and_draft_opd(
-    bench_script, tiny_cli_assets: dict[str, str], tmp_path: Path  # noqa: ANN001
+    study_script, tiny_cli_assets: dict[str, str], tmp_path: Path  # noqa: ANN001
 ) -> None:
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
     from lightning_spec.models.target import load_target
 
-    cost = bench_script("objective_step_cost")
+    cost = study_script("objective_step_cost")
     target = load_target(tiny_cli_assets["model"])
     drafter = tmp_path / "drafter"
     Eagle3Drafter.from_target(target, draft_vocab_size=target.vocab_size).save_pretrained(drafter)

@@ -8,7 +8,7 @@ against the target here (one teacher-forced pass: an answer is cut at the first 
 this target's argmax, and the cut is counted; a new machine's arithmetic can break a near-tie
 differently).
 
-    python bench/seed_replay_cache.py experiments/drafter-data/results/smollm2_bstar2_replay_T0_chain_6.json \\
+    python experiments/drafter-data/scripts/seed_replay_cache.py experiments/drafter-data/results/smollm2_bstar2_replay_T0_chain_6.json \\
         --dataset mtbench,humaneval --max-new-tokens 128
 
 The cache path and the prompts are those `bench --replay` uses for the same `--dataset`,
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lightning_spec import specs
     from lightning_spec.bench.replay import _requests, default_cache
-    from lightning_spec.serving.continuations import seed_continuations
+    from lightning_spec.online.continuations import seed_continuations
 
     result = json.loads(Path(args.result).read_text())
     flags = result.get("config", {}).get("flags", {})

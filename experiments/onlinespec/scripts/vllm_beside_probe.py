@@ -1,7 +1,7 @@
 """Does an online update beside vLLM's serving pay on this machine? Serving and the update
 timed alone and at the same time, on the same requests.
 
-    python bench/vllm_beside_probe.py --config configs/online_domain_shift_vllm.yaml \
+    python experiments/onlinespec/scripts/vllm_beside_probe.py --config configs/online_domain_shift_vllm.yaml \
         --requests 20 --learner-threads 1,2 --output experiments/onlinespec/results/smollm2_online_shift_vllm/beside_probe.json
 
 `online --engine vllm` runs each round's update (the feedback's replay through our decoder and
@@ -34,7 +34,7 @@ def feedback_and_update(target: Any, served: Any, strategy: Any, policy: Any, re
                         items: list[Any], labels: int) -> float:
     """The learner's whole round, as `online --engine vllm` charges it: the replies replayed
     with the drafter that served them, then the strategy's update; its seconds."""
-    from lightning_spec.serving.online import engine_feedback
+    from lightning_spec.online.loop import engine_feedback
 
     tic = time.perf_counter()
     strategy.update(engine_feedback(target, served, policy, requests, items, labels))
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         strategy_options,
         stream_segments,
     )
-    from lightning_spec.objectives.online import make_strategy
-    from lightning_spec.serving.stream import build_stream
+    from lightning_spec.online.strategies import make_strategy
+    from lightning_spec.online.stream import build_stream
 
     config = load_config(args.config)
     if config["engine"] != "vllm":

@@ -1,6 +1,6 @@
 """Can a running vLLM engine (its CPU build) take a new drafter without a restart, losslessly?
 
-    python bench/vllm_push_probe.py --drafter DIR --other DIR2 --prompts 8 \
+    python experiments/engines/scripts/vllm_push_probe.py --drafter DIR --other DIR2 --prompts 8 \
         --output experiments/engines/results/vllm_push_probe.json
 
 One engine serves `--drafter` (EAGLE-3, K drafts a step); between rounds of the same prompts it
@@ -22,10 +22,10 @@ from typing import Any
 
 from lightning_spec.bench.engines import engine_prompts
 from lightning_spec.bench.vllm import run_vllm, target_folder, to_prompt_results, vllm_mode
-from lightning_spec.export.vllm import ensure_vllm
 from lightning_spec.io import atomic_write_json, sha256_file
-from lightning_spec.serving.engines import PushFailed
-from lightning_spec.serving.vllm_engine import VllmOnlineEngine
+from lightning_spec.online.engines import PushFailed
+from lightning_spec.online.vllm_engine import VllmOnlineEngine
+from lightning_spec.tools.vllm import ensure_vllm
 
 
 def tau(results: list[Any]) -> float:

@@ -6,7 +6,7 @@ objective after the other in one process, each for a few warm-up steps then `--s
 optimizer steps (forward, backward, AdamW). GTO also reports its scoring throughput (trees/s
 and tree rows/s through `score_trees_target`).
 
-    python bench/objective_step_cost.py --drafter DIR --tree dynamic:2,8,8 --steps 10 \\
+    python experiments/gto-draft-opd/scripts/objective_step_cost.py --drafter DIR --tree dynamic:2,8,8 --steps 10 \\
         --output experiments/gto-draft-opd/results/smollm2_objective_step_cost.json
 
 ``--store CONFIG`` (a fit config whose regenerated store `lightning-spec prepare` built) or
@@ -16,7 +16,7 @@ store serves them): SFT, GTO with rewards from the cached pass (``cached_rewards
 every tree through the target, and Draft-OPD's reference form (chain blocks, post-rejection
 suffix), reporting steps/s and trained tokens/s of each in one run.
 
-    python bench/objective_step_cost.py --drafter DIR --greedy-texts 24 --new-tokens 128 \\
+    python experiments/gto-draft-opd/scripts/objective_step_cost.py --drafter DIR --greedy-texts 24 --new-tokens 128 \\
         --steps 8 --output experiments/gto-draft-opd/results/smollm2_objective_step_cost_greedy.json
 """
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = _greedy_batches(args, target)[: args.warmup + args.steps]
     if args.store is not None or args.greedy_texts > 0:
         results_greedy: dict[str, Any] = {
-            "command": "python bench/objective_step_cost.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python experiments/gto-draft-opd/scripts/objective_step_cost.py " + " ".join(argv or sys.argv[1:]),
             "commit": git_commit(), "machine": machine, "drafter": str(args.drafter),
             "drafter_sha256": sha256_file(args.drafter / "model.safetensors"),
             "tree": args.tree, "chain": args.chain, "batch_size": args.batch_size,
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     batches = _batches(args, target)
     results: dict[str, Any] = {
-        "command": "python bench/objective_step_cost.py " + " ".join(argv or []),
+        "command": "python experiments/gto-draft-opd/scripts/objective_step_cost.py " + " ".join(argv or []),
         "commit": git_commit(),
         "machine": machine,
         "drafter": str(args.drafter),

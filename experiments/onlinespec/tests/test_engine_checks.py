@@ -1,5 +1,5 @@
-"""bench/engine_vs_greedy.py (an engine's replies against cached greedy answers, hand-made files)
-and bench/vllm_beside_probe.py's refusal of a config vLLM does not serve."""
+"""scripts/engine_vs_greedy.py (an engine's replies against cached greedy answers, hand-made files)
+and scripts/vllm_beside_probe.py's refusal of a config vLLM does not serve."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def script(bench_script):  # noqa: ANN001, ANN201
-    return bench_script("engine_vs_greedy")
+def script(study_script):  # noqa: ANN001, ANN201
+    return study_script("engine_vs_greedy")
 
 
 def _files(tmp_path: Path, replies: dict[str, list[list[int]]]) -> list[str]:
@@ -46,8 +46,8 @@ def test_missing_files_are_a_parser_error(script, tmp_path: Path) -> None:  # no
         script.main(["--bench", str(tmp_path / "none.json"), "--stream", "x", "--answers", "y"])
 
 
-def test_the_beside_probe_needs_an_engine_config(bench_script, tmp_path: Path) -> None:  # noqa: ANN001
-    """bench/vllm_beside_probe.py refuses a config that vLLM does not serve, before loading."""
-    probe = bench_script("vllm_beside_probe")
+def test_the_beside_probe_needs_an_engine_config(study_script, tmp_path: Path) -> None:  # noqa: ANN001
+    """scripts/vllm_beside_probe.py refuses a config that vLLM does not serve, before loading."""
+    probe = study_script("vllm_beside_probe")
     with pytest.raises(SystemExit):
         probe.main(["--config", "configs/online_domain.yaml", "--output", str(tmp_path / "p.json")])

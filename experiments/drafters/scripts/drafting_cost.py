@@ -8,7 +8,7 @@ the weights) drafting their full block as a chain, and for an EAGLE-3 drafter dr
 of the same depths. Weights are random where no folder is given, so nearly nothing is accepted
 and every step drafts a full chain: the figure is the cost of one full draft.
 
-    python bench/drafting_cost.py --eagle DIR --blocks 4,8,16 --layers 1,2,5 \\
+    python experiments/drafters/scripts/drafting_cost.py --eagle DIR --blocks 4,8,16 --layers 1,2,5 \\
         --output experiments/drafters/results/smollm2_drafting_cost.json
 
 Run it alone on the cores (a timing benchmark).

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
 # The GTO and Draft-OPD acceptance runs (issues 15 and 16), alone on the machine, resumable.
-#   bench/objectives_acceptance.sh BASELINE_DRAFTER_DIR TREE [MINUTES] [OUT]
+#   experiments/gto-draft-opd/scripts/objectives_acceptance.sh BASELINE_DRAFTER_DIR TREE [MINUTES] [OUT]
 # 1. trains, from the same baseline drafter and at the same RunBudget minutes, one after another:
 #    GTO, its continued-SFT control, Draft-OPD and its SFT-on-rollouts control, then the ablations
 #    (GTO: mean, max, no debiasing, m = 1; Draft-OPD: gamma 1, all-forward, all-reverse, random
-#    anchors), every drafter copied out with its sha256 (bench/compare_objectives.py);
+#    anchors), every drafter copied out with its sha256 (`lightning-spec bench compare`);
 # 2. benches the baseline and the four main drafters side by side in one run at T = 0 on all 80
 #    MT-Bench and all 164 HumanEval prompts with TREE (the tree GTO trained for), then at T = 1.
 # Each step skips what an earlier, killed invocation finished.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 BASE=${1:?baseline drafter folder}
 TREE=${2:?tree spec, e.g. dynamic:2,8,8}
 MINUTES=${3:-30}
 OUT=${4:-$HOME/.cache/lightning-spec/compare/objectives}
-PY=.venv/bin/python
-$PY bench/compare_objectives.py --baseline "$BASE" --minutes "$MINUTES" --out "$OUT" \
+LS=.venv/bin/lightning-spec
+$LS bench compare --baseline "$BASE" --minutes "$MINUTES" --out "$OUT" \
   "gto=configs/gto.yaml --model.init_args.tree=$TREE" \
   "sft_control=configs/sft_continue_cpu.yaml" \
   "draft_opd=configs/draft_opd.yaml --data.init_args.rollout_tree=$TREE" \
   "opd_sft_control=configs/draft_opd_sft_control.yaml --data.init_args.rollout_tree=$TREE"
-$PY bench/compare_objectives.py --baseline "$BASE" --minutes "$MINUTES" --out "$OUT" \
+$LS bench compare --baseline "$BASE" --minutes "$MINUTES" --out "$OUT" \
   "gto_mean=configs/gto.yaml --model.init_args.tree=$TREE --model.init_args.aggregation=mean" \
   "gto_max=configs/gto.yaml --model.init_args.tree=$TREE --model.init_args.aggregation=max" \
   "gto_no_debias=configs/gto.yaml --model.init_args.tree=$TREE --model.init_args.debias=false" \

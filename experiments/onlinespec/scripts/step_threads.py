@@ -7,7 +7,7 @@ thread counts are interleaved in a palindrome (2, 1, 1, 2: each count's mean tim
 same point of the run) over the same requests, and the seconds and verification steps of each
 count are summed (ratio of sums).
 
-    python bench/step_threads.py --drafter runs/online_domain_warm_ref/drafter/last \
+    python experiments/onlinespec/scripts/step_threads.py --drafter runs/online_domain_warm_ref/drafter/last \
         --stream runs/streams/py-doc2code.jsonl --skip 800 --requests 6 --threads 2,1 --prepack
 """
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prepack", action="store_true", help="prepack the target's linears")
     parser.add_argument("--output", type=Path, help="write the figures as JSON here too")
     args = parser.parse_args(argv)
-    from lightning_spec.serving.stream import Segment, build_stream
+    from lightning_spec.online.stream import Segment, build_stream
 
     target = specs.resolve_target(args.target, "fp32")
     if args.prepack:

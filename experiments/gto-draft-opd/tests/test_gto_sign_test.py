@@ -1,4 +1,4 @@
-"""bench/gto_sign_test.py --tiny: three arms from one start on the same batches, paired results,
+"""scripts/gto_sign_test.py --tiny: three arms from one start on the same batches, paired results,
 and (with the token loss on) each term's gradient norm, so "L_GTO dominates" is measured."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 
 def test_tiny_sign_test_pairs_three_arms_and_logs_term_gradients(
-    bench_script,
+    study_script,
     tmp_path: Path,  # noqa: ANN001
 ) -> None:
-    sign = bench_script("gto_sign_test")
+    sign = study_script("gto_sign_test")
     out = tmp_path / "sign.json"
     code = sign.main([
         "--tiny", "--prompts", "4", "--held-out", "4", "--new-tokens", "16", "--steps", "2",
@@ -38,12 +38,12 @@ def test_tiny_sign_test_pairs_three_arms_and_logs_term_gradients(
 
 
 def test_tiny_sign_test_at_temperature_one_samples_texts_and_pairs_the_arms(
-    bench_script,
+    study_script,
     tmp_path: Path,  # noqa: ANN001
 ) -> None:
     """At T = 1 the texts are the target's samples, every tree is scored through the target,
     and the arms still start equal (the sampled accepted paths use the same draws)."""
-    sign = bench_script("gto_sign_test")
+    sign = study_script("gto_sign_test")
     out = tmp_path / "sign_t1.json"
     assert sign.main([
         "--tiny", "--prompts", "4", "--held-out", "4", "--new-tokens", "12", "--steps", "1",

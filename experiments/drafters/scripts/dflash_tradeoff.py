@@ -1,16 +1,16 @@
 """The DFlash layer count / block size trade-off: accuracy at equal training steps, side by side.
 
-`bench/drafting_cost.py` measures the cost side (one block forward per verification: flat in the
+`experiments/drafters/scripts/drafting_cost.py` measures the cost side (one block forward per verification: flat in the
 block size, ~1.5-2 ms per layer here). This script measures the accuracy side: it trains DFlash
 variants of `configs/sft_dflash_cpu.yaml` (the same data, cached target features, seed and
 schedule; only the layer count, the block size and optionally ``anchor_feature`` differ) for the
-same number of optimizer steps, one after another (`bench/compare_objectives.py --steps`, each
+same number of optimizer steps, one after another (`lightning-spec bench compare --steps`, each
 run alone on the cores; a killed invocation resumes), then benches every drafter's real decoding
 at T = 0 in one run at the depth all of them can draft (``chain:3``), and each at the chain of its
 whole block, and prints one table (tau with 95% bootstrap intervals, per-depth acceptance,
 drafting and verification ms per step, training seconds per step).
 
-    python bench/dflash_tradeoff.py --steps 1200 --out ~/.cache/lightning-spec/compare/dflash_tradeoff \\
+    python experiments/drafters/scripts/dflash_tradeoff.py --steps 1200 --out ~/.cache/lightning-spec/compare/dflash_tradeoff \\
         --variant L1B8=1,8 --variant L2B8=2,8 --variant L4B8=4,8 --variant L2B4=2,4 \\
         --variant L2B16=2,16 --variant L2B8A=2,8,anchor
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 BASE_CONFIG = ROOT / "configs" / "sft_dflash_cpu.yaml"
 ACCEPTANCE = "lightning_spec.callbacks.acceptance.AcceptanceEval"
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(yaml.safe_dump(variant_config(base, layers, block, anchor)))
         runs.append(f"{name}={path}")
     subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "compare_objectives.py"), "--minutes",
+        [sys.executable, "-m", "lightning_spec.cli", "bench", "compare", "--minutes",
          str(args.minutes), "--steps", str(args.steps), "--pick", "last", "--out",
          str(args.out), *runs],
         check=True,

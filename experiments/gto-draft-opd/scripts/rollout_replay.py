@@ -11,7 +11,7 @@ replay. Every replayed step is checked against the decoded one (anchor, accepted
 committed tokens); the script fails on any difference (a batched answer cut to its greedy
 prefix, counted in ``cut_prompts``, must be a prefix of the decoded text).
 
-    python bench/rollout_replay.py --drafter DIR --prompts 16 --tree dynamic:2,4,8 --prepack \\
+    python experiments/gto-draft-opd/scripts/rollout_replay.py --drafter DIR --prompts 16 --tree dynamic:2,4,8 --prepack \\
         --output experiments/gto-draft-opd/results/smollm2_rollout_replay.json
 """
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "records_equal": True,
         "cut_prompts": cut,
         "runs": runs,
-        "command": "python bench/rollout_replay.py " + " ".join(argv or sys.argv[1:]),
+        "command": "python experiments/gto-draft-opd/scripts/rollout_replay.py " + " ".join(argv or sys.argv[1:]),
     }
     print(json.dumps(result["runs"], indent=1))
     if args.output:

@@ -1,9 +1,9 @@
 """GTO's sign test: does a GTO step raise the tree reward? Three arms, omega = +k, 0, -k.
 
-    python bench/gto_sign_test.py --tiny --out experiments/gto-draft-opd/results/gto_sign_tiny.json
-    python bench/gto_sign_test.py --drafter DIR --tree dynamic:6,10,32 --prompts 96 \
+    python experiments/gto-draft-opd/scripts/gto_sign_test.py --tiny --out experiments/gto-draft-opd/results/gto_sign_tiny.json
+    python experiments/gto-draft-opd/scripts/gto_sign_test.py --drafter DIR --tree dynamic:6,10,32 --prompts 96 \
         --held-out 48 --steps 300 --omega 5 --lr 5e-5 --out experiments/gto-draft-opd/results/gto_sign_smollm2.json
-    python bench/gto_sign_test.py --drafter DIR --store configs/gto_greedy.yaml ...  # its texts
+    python experiments/gto-draft-opd/scripts/gto_sign_test.py --drafter DIR --store configs/gto_greedy.yaml ...  # its texts
 
 Every arm starts from the same drafter (its frozen copy is the reference), sees the same
 batches and the same prefixes (the group generator is reset per batch), and trains with

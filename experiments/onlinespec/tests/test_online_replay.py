@@ -1,4 +1,4 @@
-"""bench/online_replay.py: a recorded stream replays offline exactly as the live loop learned."""
+"""scripts/online_replay.py: a recorded stream replays offline exactly as the live loop learned."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from lightning_spec.online.stream import Request
 
 
 def _helpers():  # noqa: ANN202
-    path = Path(__file__).parent / "objectives" / "test_sft.py"
+    path = Path(__file__).resolve().parents[3] / "tests" / "objectives" / "test_sft.py"
     spec = importlib.util.spec_from_file_location("sft_helpers_replay", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -25,9 +25,9 @@ def _helpers():  # noqa: ANN202
 
 
 def test_replay_scores_each_round_with_the_model_the_live_loop_served(
-    bench_script, tmp_path: Path
+    study_script, tmp_path: Path
 ) -> None:
-    replay = bench_script("online_replay")
+    replay = study_script("online_replay")
     helpers = _helpers()
     target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
     drafter = helpers._drafter(target)

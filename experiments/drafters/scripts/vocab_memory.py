@@ -9,7 +9,7 @@ vocabulary size, the peak resident memory a forward + backward step adds on top 
 models, for a tiny stress target (`lightning_spec.models.tiny.stress_target`, hidden 32) and
 on both data paths (the target run in the step, and cached features).
 
-    python bench/vocab_memory.py --vocab 49152 --vocab 131072 --vocab 262144 \
+    python experiments/drafters/scripts/vocab_memory.py --vocab 49152 --vocab 131072 --vocab 262144 \
         --tokens 1024 --batch 4 --output experiments/drafters/results/vocab_memory.json
 """
 

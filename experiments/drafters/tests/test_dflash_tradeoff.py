@@ -1,4 +1,4 @@
-"""bench/dflash_tradeoff.py: variants change the drafter's shape and nothing else."""
+"""scripts/dflash_tradeoff.py: variants change the drafter's shape and nothing else."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
-def tradeoff(bench_script):  # noqa: ANN001, ANN201
-    return bench_script("dflash_tradeoff")
+def tradeoff(study_script):  # noqa: ANN001, ANN201
+    return study_script("dflash_tradeoff")
 
 
 def test_variant_parsing(tradeoff) -> None:

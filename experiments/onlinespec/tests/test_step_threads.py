@@ -1,4 +1,4 @@
-"""bench/step_threads.py: live step cost per thread count, interleaved, on a tiny target."""
+"""scripts/step_threads.py: live step cost per thread count, interleaved, on a tiny target."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from lightning_spec.models.tiny import tiny_config
 
 
 def test_each_thread_count_decodes_every_prompt_twice_and_the_count_is_restored(
-    bench_script,  # noqa: ANN001
+    study_script,  # noqa: ANN001
 ) -> None:
-    probe = bench_script("step_threads")
+    probe = study_script("step_threads")
     target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=11)
     drafter = Eagle3Drafter.from_target(target, intermediate_size=64)
     decoder = SpeculativeDecoder(target, drafter, parse_tree_spec("dynamic:2,2,4"))

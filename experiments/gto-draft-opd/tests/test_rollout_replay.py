@@ -1,4 +1,4 @@
-"""bench/rollout_replay.py on a tiny target: decoded, replayed and batched-then-replayed rollouts
+"""scripts/rollout_replay.py on a tiny target: decoded, replayed and batched-then-replayed rollouts
 timed, records equal."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from lightning_spec.models.target import TargetModel
 
 
 def test_rollout_replay_bench_times_four_runs_of_equal_rollouts(
-    bench_script, tiny_cli_assets: dict, tmp_path: Path
+    study_script, tiny_cli_assets: dict, tmp_path: Path
 ) -> None:
-    bench = bench_script("rollout_replay")
+    bench = study_script("rollout_replay")
     target = TargetModel.from_pretrained(tiny_cli_assets["model"])
     Eagle3Drafter.from_target(target).save_pretrained(tmp_path / "drafter")
     output = tmp_path / "out.json"

@@ -1,4 +1,4 @@
-"""bench/bench_data_modes_train.py: every mode's generated config is a real, valid fit config."""
+"""scripts/bench_data_modes_train.py: every mode's generated config is a real, valid fit config."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
-def script(bench_script):  # noqa: ANN001, ANN201
-    return bench_script("bench_data_modes_train")
+def script(study_script):  # noqa: ANN001, ANN201
+    return study_script("bench_data_modes_train")
 
 
 def test_mode_config_budgets_the_whole_run(script, tmp_path: Path) -> None:

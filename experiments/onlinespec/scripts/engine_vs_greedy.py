@@ -1,9 +1,9 @@
 """An engine's replies against a stream's cached greedy answers, request by request.
 
-    python bench/vllm_bench.py --drafter DIR --dataset STREAM_SUBSET.jsonl --limit N --k "" \
+    lightning-spec bench vllm --drafter DIR --dataset STREAM_SUBSET.jsonl --limit N --k "" \
         --ngram-k "" --output runs/plain.json                       # vLLM plain only
-    python bench/engine_vs_greedy.py --bench runs/plain.json --stream STREAM_SUBSET.jsonl \
-        --answers runs/online_domain/continuations.jsonl
+    python experiments/onlinespec/scripts/engine_vs_greedy.py --bench runs/plain.json \
+        --stream STREAM_SUBSET.jsonl --answers runs/online_domain/continuations.jsonl
 
 `online --engine vllm` checks every served reply against the target's greedy answer (the
 stream's replay cache, `serving.continuations`); this says whether the engine's own plain
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_spec.io import atomic_write_json
-from lightning_spec.serving.online import matches_greedy
+from lightning_spec.online.loop import matches_greedy
 
 
 def cached_answers(path: Path) -> dict[str, list[int]]:
@@ -50,7 +50,7 @@ def compare(replies: dict[str, list[list[int]]], ids: list[str], answers: dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bench", type=Path, required=True, help="a bench/vllm_bench.py output")
+    parser.add_argument("--bench", type=Path, required=True, help="a `lightning-spec bench vllm` output")
     parser.add_argument("--stream", type=Path, required=True, help="the JSONL the bench served")
     parser.add_argument("--answers", type=Path, required=True, help="the stream's replay cache")
     parser.add_argument("--output", type=Path, default=None)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = [str(json.loads(line)["id"]) for line in args.stream.read_text().splitlines() if line.strip()]
     bench = json.loads(args.bench.read_text())
     if "tokens" not in bench:
-        parser.error(f"{args.bench} has no per-prompt tokens: not a bench/vllm_bench.py output")
+        parser.error(f"{args.bench} has no per-prompt tokens: not a `lightning-spec bench vllm` output")
     ids = ids[: bench.get("prompts", len(ids))]
     result = {"command": " ".join([sys.executable, *sys.argv]), "bench": str(args.bench),
               "modes": compare(bench["tokens"], ids, cached_answers(args.answers))}  # fmt: skip
