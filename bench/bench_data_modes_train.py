@@ -1,0 +1,8 @@
+"""Moved with its study: `python experiments/drafters/scripts/bench_data_modes_train.py`."""
+
+import shlex
+import sys
+
+new = shlex.join(["python", "experiments/drafters/scripts/bench_data_modes_train.py", *sys.argv[1:]])
+print(f"bench/bench_data_modes_train.py moved: run `{new}`", file=sys.stderr)
+sys.exit(2)
