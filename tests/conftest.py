@@ -87,12 +87,6 @@ def greedy_fit() -> Callable[..., None]:
 
 
 @pytest.fixture(scope="session")
-def bench_script() -> Callable[[str], ModuleType]:
-    """bench/<name>.py as a module (the scripts are run as files, not imported as a package)."""
-    return lambda name: load_module(ROOT / "bench" / f"{name}.py", f"bench_{name}")
-
-
-@pytest.fixture(scope="session")
 def data_helpers():  # noqa: ANN201
     """The tiny tokenizer / target / chat builders of tests/data/conftest.py, for any test."""
     return _data_helpers()
