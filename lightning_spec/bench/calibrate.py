@@ -12,6 +12,8 @@ win. Instead of guessing, calibrate:
    proposal given that drafts 1..d-1 were accepted (`AcceptanceProfile`); the top-1 column is
    the per-depth acceptance alpha_d. The drafting and bookkeeping times come from the same run.
 3. `expected_speedup` / `suggest_policy`: the model below, evaluated for candidate policies.
+   `rank_policies` is the one picker: the engine benches pick their draft length K with it too,
+   from their own measured step costs (`bench.engines.pick_chain`, `bench.vllm_bench.pick_k`).
 
 The model. At T = 0 one step commits its accepted drafts plus one bonus token, so
 
@@ -51,7 +53,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -76,6 +78,7 @@ __all__ = [
     "DEFAULT_SIZES",
     "calibrate",
     "candidate_policies",
+    "chain_acceptance",
     "draft_levels",
     "expected_speedup",
     "expected_tokens_per_step",
@@ -84,6 +87,7 @@ __all__ = [
     "measure_autoregressive_step",
     "measure_verify_cost",
     "rank_paths",
+    "rank_policies",
     "step_seconds",
     "suggest_policy",
 ]
@@ -530,6 +534,57 @@ def candidate_policies(max_nodes: int = 64) -> list[str]:
     return specs
 
 
+def chain_acceptance(alphas: Sequence[float | None], depth: int) -> AcceptanceProfile:
+    """Per-depth acceptance alpha_1 .. alpha_depth as a profile: depths never measured (None, or
+    beyond the list) count as 0, so a chain deeper than the measurement earns nothing there."""
+    measured = [float(a or 0.0) for a in list(alphas)[:depth]]
+    return AcceptanceProfile.from_alpha(measured + [0.0] * max(depth - len(measured), 0))
+
+
+def rank_policies(
+    acceptance: AcceptanceProfile | Sequence[float],
+    candidates: Sequence[str],
+    seconds_per_step: Callable[[str], float],
+    autoregressive_seconds: float,
+    *,
+    rounded: bool = False,
+) -> list[dict[str, Any]]:
+    """The one draft-length (and tree) picker: every candidate's expected speedup, best first.
+
+    speedup = E[tokens committed per step] / (seconds per step / `autoregressive_seconds`),
+    E[tokens] from `acceptance` (`expected_tokens_per_step`; for ``chain:K`` the familiar
+    1 + sum_j prod_{i <= j} alpha_i). Where a step's seconds come from is the caller's
+    `seconds_per_step(spec)`: modelled from our decoder's cost curve (`suggest_policy`, behind
+    ``--tree auto``), from llama.cpp's cost of a forward of K + 1 tokens plus the drafting
+    (`bench.engines.pick_chain`), or measured per K on vLLM (`bench.vllm_bench.pick_k`). Among
+    equals the smaller tree comes first (less memory, less variance). `rounded`: the figures
+    rounded for a report (tokens and speedup to 4 places, seconds to 6) and ranked as rounded.
+    """
+    profile = _as_profile(acceptance)
+    table = []
+    for spec in candidates:
+        paths = rank_paths(spec, profile)
+        tokens = expected_tokens_per_step(paths, profile)
+        seconds = seconds_per_step(spec)
+        speedup = tokens / (seconds / autoregressive_seconds)
+        if rounded:
+            tokens, seconds, speedup = round(tokens, 4), round(seconds, 6), round(speedup, 4)
+        table.append(
+            {
+                "policy": spec,
+                "nodes": len(paths),
+                "depth": draft_levels(spec),
+                "expected_tokens_per_step": tokens,
+                "step_seconds": seconds,
+                "expected_speedup": speedup,
+            }
+        )
+    if not table:
+        raise ValueError("no candidate policies")
+    table.sort(key=lambda row: (-row["expected_speedup"], row["nodes"]))
+    return table
+
+
 def suggest_policy(
     acceptance: AcceptanceProfile | Sequence[float],
     cost_curve: dict[int, float],
@@ -538,29 +593,17 @@ def suggest_policy(
     overhead: float = 0.0,
     autoregressive_seconds: float | None = None,
 ) -> tuple[str, float, list[dict[str, Any]]]:
-    """(best spec, its expected speedup, table of every candidate, best first)."""
+    """(best spec, its expected speedup, table of every candidate, best first): `rank_policies`
+    with each step's seconds modelled by `step_seconds` from the cost curve."""
     profile = _as_profile(acceptance)
     autoregressive = autoregressive_seconds or interpolate_cost(cost_curve, 1)
-    table = []
-    for spec in candidates or candidate_policies():
-        paths = rank_paths(spec, profile)
-        tokens = expected_tokens_per_step(paths, profile)
-        seconds = step_seconds(spec, cost_curve, draft_cost_per_depth, overhead, profile)
-        speedup = tokens / (seconds / autoregressive)
-        table.append(
-            {
-                "policy": spec,
-                "nodes": len(paths),
-                "depth": draft_levels(spec),
-                "expected_tokens_per_step": round(tokens, 4),
-                "step_seconds": round(seconds, 6),
-                "expected_speedup": round(speedup, 4),
-            }
-        )
-    if not table:
-        raise ValueError("no candidate policies")
-    # Best first; among equals prefer the smaller tree (less memory, less variance).
-    table.sort(key=lambda row: (-row["expected_speedup"], row["nodes"]))
+    table = rank_policies(
+        profile,
+        candidates or candidate_policies(),
+        lambda spec: step_seconds(spec, cost_curve, draft_cost_per_depth, overhead, profile),
+        autoregressive,
+        rounded=True,
+    )
     return table[0]["policy"], table[0]["expected_speedup"], table
 
 

@@ -3,8 +3,9 @@
 llama.cpp (`bench/llamacpp.py`) and vLLM (`bench/vllm.py`) report the same things per prompt
 (the reply's tokens, decode seconds, drafted and accepted tokens), so one summary serves both:
 tok/s, speedup over the engine's plain decoding (paired bootstrap over prompts), acceptance,
-tau and greedy mismatches; and one `--tree auto` rule picks the chain length from the engine's
-measured cost of a verification and our decoder's per-depth acceptance.
+tau and greedy mismatches; and the chain length is picked by the one picker of
+`calibrate.rank_policies`, from the engine's measured cost of a verification and our decoder's
+per-depth acceptance.
 
 tau is tokens committed per target verification, as everywhere in the project: every
 verification commits its accepted drafts plus one token, so over a reply of n tokens (the first
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_spec.bench.calibrate import chain_acceptance, expected_tokens_per_step, rank_policies
 from lightning_spec.bench.runner import first_difference
 from lightning_spec.stats import speedup_summary, tau_summary
 
 __all__ = [
     "PromptResult",
+    "chain_length",
     "expected_tau",
     "engine_prompts",
     "ours_tau",
@@ -101,11 +104,14 @@ def summarize(
 def expected_tau(alphas: Sequence[float | None], k: int) -> float:
     """E[tau] of a chain of `k` drafts with per-depth acceptance alpha_j (j = 1 .. k):
     1 + sum_j prod_{i <= j} alpha_i; depths never measured count as 0."""
-    tau, survive = 1.0, 1.0
-    for alpha in list(alphas)[:k]:
-        survive *= float(alpha or 0.0)
-        tau += survive
-    return tau
+    if k < 1:
+        return 1.0
+    return expected_tokens_per_step(f"chain:{k}", chain_acceptance(alphas, k))
+
+
+def chain_length(spec: str) -> int:
+    """K of ``chain:K``."""
+    return int(spec.split(":", 1)[1])
 
 
 def pick_chain(
@@ -115,20 +121,28 @@ def pick_chain(
     *,
     max_k: int | None = None,
 ) -> dict[str, Any]:
-    """The chain length `--tree auto` would pick for llama.cpp: argmax over K of
-    E[tau(K)] / (t(K + 1) + K * draft_cost), with t(b) llama.cpp's measured cost of a target
-    forward of b tokens (``llama-bench``), `draft_cost` the seconds per drafted token and
-    alpha_j our decoder's per-depth acceptance of the same drafter (a long chain's records).
-    Returns the pick and the predicted speedup over plain decoding (t(1) per token) per K."""
+    """The chain length `--n-max auto` picks for llama.cpp (`calibrate.rank_policies` over
+    chains): argmax over K of E[tau(K)] / (t(K + 1) + K * draft_cost), with t(b) llama.cpp's
+    measured cost of a target forward of b tokens (``llama-bench``), `draft_cost` the seconds
+    per drafted token and alpha_j our decoder's per-depth acceptance of the same drafter (a long
+    chain's records). Returns the pick and the predicted speedup over plain decoding (t(1) per
+    token) per K."""
     limit = min(max_k or len(alphas), len(alphas), max(cost) - 1)
     if limit < 1 or 1 not in cost:
         raise ValueError("need alpha_1 and the cost of 1 and 2 tokens at least")
-    table = {}
-    for k in range(1, limit + 1):
-        step = cost[k + 1] + k * draft_cost
-        table[k] = expected_tau(alphas, k) * cost[1] / step
-    best = max(table, key=table.get)
-    return {"n_max": best, "predicted_speedup": table, "draft_cost": draft_cost}
+    chains = [f"chain:{k}" for k in range(1, limit + 1)]
+    table = rank_policies(
+        chain_acceptance(alphas, limit),
+        chains,
+        lambda spec: cost[chain_length(spec) + 1] + chain_length(spec) * draft_cost,
+        cost[1],
+    )
+    speedup = {chain_length(row["policy"]): row["expected_speedup"] for row in table}
+    return {
+        "n_max": chain_length(table[0]["policy"]),
+        "predicted_speedup": {chain_length(spec): speedup[chain_length(spec)] for spec in chains},
+        "draft_cost": draft_cost,
+    }
 
 
 def ours_tau(

