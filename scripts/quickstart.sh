@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target (SmolLM2-135M-Instruct), from a fresh machine:
-# set up, fetch the model and data, train an EAGLE-3 drafter (configs/quickstart.yaml, about
-# 7 minutes on 2 CPU cores), bench it on 20 MT-Bench prompts against HF greedy `generate` (as
-# loaded and on the same optimised target) and HF prompt lookup, and print tau, speedup, the
-# MLflow run and the drafter folder.
+# set up, fetch the model and data, train an EAGLE-3 drafter
+# (configs/train/eagle3_quickstart_cpu.yaml, about 7 minutes on 2 CPU cores), bench it on 20
+# MT-Bench prompts against HF greedy `generate` (as loaded and on the same optimised target) and
+# HF prompt lookup, and print tau, speedup, the MLflow run and the drafter folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=runs/quickstart
@@ -22,7 +22,7 @@ if [ -e "$RUN" ]; then
   # A second quickstart starts afresh; the previous one is kept beside it.
   mv "$RUN" "$RUN.$(date +%Y%m%d-%H%M%S)"
 fi
-.venv/bin/lightning-spec fit --config configs/quickstart.yaml
+.venv/bin/lightning-spec fit --config configs/train/eagle3_quickstart_cpu.yaml
 .venv/bin/lightning-spec bench --drafter "$RUN/drafter/last" --dataset mtbench --limit 20 \
   --max-new-tokens 24 --tree "$TREE" $PREPACK --methods "$METHODS" \
   --no-progress --output "$RUN/bench.json" > /dev/null

@@ -19,9 +19,10 @@ def compare():  # noqa: ANN201
 
 
 def test_budgeted_config_resizes_the_budget_and_moves_outputs(compare, tmp_path: Path) -> None:
-    for name in ("gto.yaml", "sft_continue_cpu.yaml", "draft_opd.yaml"):
-        original = yaml.safe_load((ROOT / "configs" / name).read_text())
-        config = compare.budgeted_config(ROOT / "configs" / name, 12.5, tmp_path / "r")
+    for name in ("gto_on_dataset.yaml", "control_sft_continue.yaml", "draft_opd_on_policy.yaml"):
+        path = ROOT / "experiments" / "gto-draft-opd" / "configs" / name
+        original = yaml.safe_load(path.read_text())
+        config = compare.budgeted_config(path, 12.5, tmp_path / "r")
         budgets = [c for c in config["trainer"]["callbacks"] if c["class_path"] == compare.BUDGET]
         assert [b["init_args"]["minutes"] for b in budgets] == [12.5]
         assert config["trainer"]["default_root_dir"] == str(tmp_path / "r")
@@ -43,8 +44,8 @@ def test_a_config_without_a_budget_gets_one(compare, tmp_path: Path) -> None:
 
 def test_steps_set_every_run_to_the_same_step_count(compare, tmp_path: Path) -> None:
     config = compare.budgeted_config(
-        ROOT / "configs" / "sft_dflash_cpu.yaml", 9.0, tmp_path, steps=7
+        ROOT / "configs" / "train" / "dflash_2h_cpu.yaml", 9.0, tmp_path, steps=7
     )
     assert config["trainer"]["max_steps"] == 7
-    untouched = compare.budgeted_config(ROOT / "configs" / "sft_dflash_cpu.yaml", 9.0, tmp_path)
+    untouched = compare.budgeted_config(ROOT / "configs" / "train" / "dflash_2h_cpu.yaml", 9.0, tmp_path)
     assert untouched["trainer"]["max_steps"] == 20000

@@ -43,7 +43,7 @@ def _fails_naming(
     from lightning_spec.cli import lightning_cli
 
     base = [
-        "--config", str(ROOT / "configs" / "quickstart.yaml"),
+        "--config", str(ROOT / "configs" / "train" / "eagle3_quickstart_cpu.yaml"),
         f"--model.init_args.target={assets['model']}",
         f"--model.init_args.draft_vocab_size={assets['vocab']}",
         f"--model.init_args.cache_dir={root / 'cache'}",

@@ -1,4 +1,7 @@
-"""Every YAML under configs/ parses and instantiates through the real `lightning-spec` CLI.
+"""Every YAML under configs/ parses and instantiates through the real `lightning-spec` CLI, and so
+does every experiment arm (experiments/<study>/configs/): an overlay composed on the recipe its
+first line names (`--config RECIPE --config ARM`, as LightningCLI composes them), or a whole
+`online` config.
 
 The configs name the real SmolLM2 target; here the target and data are pointed at a tiny model
 folder and a small JSONL file made in code (command-line overrides, as a user would), so every
@@ -8,16 +11,62 @@ class path, argument name and type in the files is checked without the real mode
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
-# LightningCLI configs (`lightning-spec fit`); the others are read by their own commands
-CONFIGS = [p for p in ALL_CONFIGS if "model" in (yaml.safe_load(p.read_text()) or {})]
-ONLINE_CONFIGS = [p for p in ALL_CONFIGS if p not in CONFIGS]
+RECIPES = sorted((ROOT / "configs").rglob("*.yaml"))
+ARMS = sorted(ROOT.glob("experiments/*/configs/*.yaml"))
+OVERLAY = re.compile(r"# Overlay on (configs/\S+\.yaml):")
+
+
+def overlay_recipe(path: Path) -> Path | None:
+    """The recipe an experiment overlay composes on (its first line names it), else None."""
+    found = OVERLAY.match(path.read_text())
+    return ROOT / found.group(1) if found else None
+
+
+def config_args(path: str | Path) -> list[str]:
+    """The `--config` arguments of a config (a path from the repository root): a recipe's own
+    file, an overlay after the recipe it composes on."""
+    path = ROOT / path
+    recipe = overlay_recipe(path)
+    return [*(["--config", str(recipe)] if recipe else []), "--config", str(path)]
+
+
+def _merged(base: dict, overlay: dict) -> dict:
+    """`overlay` over `base`: dicts key by key unless they name another `class_path` (then
+    replaced whole), anything else (lists too) replaced."""
+    out = dict(base)
+    for key, value in overlay.items():
+        below = base.get(key)
+        same = (
+            isinstance(value, dict) and isinstance(below, dict)
+            and value.get("class_path", below.get("class_path")) == below.get("class_path")
+        )  # fmt: skip
+        out[key] = _merged(below, value) if same else value
+    return out
+
+
+def composed(path: Path) -> dict:
+    """The YAML of a config, an overlay merged into its recipe. An overlay states every value
+    that differs from the recipe's or from a class default, so this equals the parser's
+    composition (which the tests instantiate)."""
+    recipe = overlay_recipe(path)
+    own = yaml.safe_load(path.read_text()) or {}
+    return _merged(yaml.safe_load(recipe.read_text()), own) if recipe else own
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+# LightningCLI configs (`lightning-spec fit`); the others are read by `lightning-spec online`
+CONFIGS = [p for p in RECIPES + ARMS if "model" in composed(p)]
+ONLINE_CONFIGS = [p for p in RECIPES + ARMS if p not in CONFIGS]
 
 
 @pytest.fixture(autouse=True)
@@ -30,17 +79,33 @@ def _run_in_tmp(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 def test_there_are_configs() -> None:
     names = {path.name for path in CONFIGS}
-    assert {"quickstart.yaml", "sft_eagle3.yaml"} <= names
+    assert {"eagle3_quickstart_cpu.yaml", "eagle3_sharegpt_gpu.yaml"} <= names
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_configs_holds_recipes_by_purpose_each_in_its_readme() -> None:
+    """configs/ is recipes only, in train/ improve/ online/ gpu/, each a row of
+    configs/README.md; an experiment's arm is an overlay on an existing recipe or a whole
+    `online` config that says so."""
+    assert {p.parent.name for p in RECIPES} <= {"train", "improve", "online", "gpu"}
+    assert len(RECIPES) <= 16
+    readme = (ROOT / "configs" / "README.md").read_text()
+    assert [p for p in RECIPES if str(p.relative_to(ROOT / "configs")) not in readme] == []
+    for arm in ARMS:
+        recipe = overlay_recipe(arm)
+        if recipe is None:
+            assert "not an overlay" in arm.read_text().split("\n", 2)[0], arm
+        else:
+            assert recipe.is_file() and recipe in RECIPES, arm
+            assert f"--config {_name(recipe)} --config {_name(arm)}" in arm.read_text(), arm
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=_name)
 def test_config_instantiates(path: Path, tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
-    import yaml
     from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
     from lightning_spec.cli import lightning_cli
 
-    model_args = yaml.safe_load(path.read_text())["model"].get("init_args", {})
+    model_args = composed(path)["model"].get("init_args", {})
     if model_args.get("drafter_init"):
         # configs that start from a trained drafter get a tiny one for the tiny target
         start = [f"--model.init_args.drafter_init={_tiny_drafter(tiny_cli_assets, tmp_path)}"]
@@ -67,7 +132,7 @@ def test_config_instantiates(path: Path, tiny_cli_assets: dict[str, str], tmp_pa
             "--trainer.devices=1",
             "--trainer.precision=32-true",
         ]
-    cli = lightning_cli(["--config", str(path), *overrides], run=False)
+    cli = lightning_cli([*config_args(path), *overrides], run=False)
     assert isinstance(cli.model, LightningModule)
     assert isinstance(cli.datamodule, LightningDataModule)
     assert isinstance(cli.trainer, Trainer)
@@ -75,7 +140,7 @@ def test_config_instantiates(path: Path, tiny_cli_assets: dict[str, str], tmp_pa
 
 
 def _uses_fsdp(path: Path) -> bool:
-    strategy = (yaml.safe_load(path.read_text()).get("trainer") or {}).get("strategy")
+    strategy = (composed(path).get("trainer") or {}).get("strategy")
     return isinstance(strategy, dict) and "FSDP" in str(strategy.get("class_path"))
 
 
@@ -131,8 +196,9 @@ def _tiny_run_args(assets: dict[str, str], tmp_path: Path, run: Path) -> list[st
 def _tiny_fit_metrics(
     config: str, experiment: str, assets: dict[str, str], tmp_path: Path, data_args: list[str]
 ) -> set[str]:
-    """`lightning-spec fit --config configs/<config>` for 2 steps on the tiny target and drafter
-    (`data_args`: the config's own data options); the metric names its MLflow run logged."""
+    """`lightning-spec fit` of `config` (a recipe or an arm, from the repository root) for 2
+    steps on the tiny target and drafter (`data_args`: the config's own data options); the
+    metric names its MLflow run logged."""
     from mlflow.tracking import MlflowClient
 
     from lightning_spec.cli import main
@@ -142,8 +208,7 @@ def _tiny_fit_metrics(
     code = main(
         [
             "fit",
-            "--config",
-            str(ROOT / "configs" / config),
+            *config_args(config),
             *_tiny_run_args(assets, tmp_path, run),
             "--data.init_args.val_fraction=0.2",
             *data_args,
@@ -179,8 +244,7 @@ def _tiny_fit(config: str, assets: dict[str, str], tmp_path: Path, steps: int, *
     run = tmp_path / "run"
     return [
         "fit",
-        "--config",
-        str(ROOT / "configs" / config),
+        *config_args(config),
         f"--model.init_args.target={assets['model']}",
         f"--model.init_args.draft_vocab_size={assets['vocab']}",
         f"--model.init_args.cache_dir={tmp_path / 'cache'}",
@@ -199,7 +263,10 @@ def _tiny_fit(config: str, assets: dict[str, str], tmp_path: Path, steps: int, *
     ]
 
 
-@pytest.mark.parametrize("config", ["quickstart.yaml", "quickstart_dflash.yaml"])
+@pytest.mark.parametrize(
+    "config",
+    ["configs/train/eagle3_quickstart_cpu.yaml", "configs/train/dflash_quickstart_cpu.yaml"],
+)
 def test_cli_fit_runs_and_saves_its_config(
     config: str, tiny_cli_assets: dict[str, str], tmp_path: Path
 ) -> None:
@@ -223,7 +290,7 @@ def test_a_fit_stopped_by_sigterm_exits_non_zero_with_its_checkpoint(
     checkpoints = tmp_path / "run" / "checkpoints"
     code = main(
         _tiny_fit(
-            "quickstart.yaml", tiny_cli_assets, tmp_path, 6,
+            "configs/train/eagle3_quickstart_cpu.yaml", tiny_cli_assets, tmp_path, 6,
             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             f"--trainer.callbacks.dirpath={checkpoints}",
             "--trainer.callbacks.save_on_exception=true",
@@ -236,8 +303,9 @@ def test_a_fit_stopped_by_sigterm_exits_non_zero_with_its_checkpoint(
 
 
 def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_path: Path) -> None:
-    """`lightning-spec fit --config configs/gto.yaml` end to end (tiny target and drafter, 2
-    steps, a small tree): GTO runs through the CLI, validates, saves and registers its drafter."""
+    """GTO on the dataset's text (experiments/gto-draft-opd/configs/gto_on_dataset.yaml) end to
+    end (tiny target and drafter, 2 steps, a small tree): GTO runs through the CLI, validates,
+    saves and registers its drafter."""
     from mlflow.tracking import MlflowClient
 
     from lightning_spec.cli import main
@@ -247,8 +315,7 @@ def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_
     code = main(
         [
             "fit",
-            "--config",
-            str(ROOT / "configs" / "gto.yaml"),
+            *config_args("experiments/gto-draft-opd/configs/gto_on_dataset.yaml"),
             *_tiny_run_args(tiny_cli_assets, tmp_path, run),
             "--model.init_args.tree=dynamic:2,2,4",
             "--model.init_args.group_size=2",
@@ -271,15 +338,16 @@ def test_cli_fit_gto_from_a_drafter_folder(tiny_cli_assets: dict[str, str], tmp_
 @pytest.mark.parametrize(
     ("config", "experiment", "extra"),
     [
-        ("draft_opd.yaml", "draft_opd", set()),
-        ("draft_opd_mix_cpu.yaml", "draft_opd_mix", {"train/sft_loss"}),
+        ("experiments/gto-draft-opd/configs/draft_opd_on_policy.yaml", "draft_opd", set()),
+        ("experiments/gto-draft-opd/configs/draft_opd_mix.yaml", "draft_opd_mix",
+         {"train/sft_loss"}),
     ],
 )
 def test_cli_fit_draft_opd_on_fresh_rollouts(
     tiny_cli_assets: dict[str, str], tmp_path: Path, config: str, experiment: str, extra: set
 ) -> None:
-    """`lightning-spec fit --config configs/draft_opd*.yaml` end to end (tiny target and drafter,
-    2 steps): rollouts by the real decoder, replay, the fresh rollouts' tau in MLflow (and, in
+    """Draft-OPD on fresh rollouts (the on-policy and CPU-mix arms) end to end (tiny target and
+    drafter, 2 steps): rollouts by the real decoder, replay, the fresh rollouts' tau in MLflow (and, in
     the CPU mix, the token loss on the dataset rows)."""
     metrics = _tiny_fit_metrics(
         config, experiment, tiny_cli_assets, tmp_path,
@@ -293,11 +361,12 @@ def test_cli_fit_draft_opd_on_fresh_rollouts(
 def test_cli_fit_gto_on_its_own_sampled_rollouts(
     tiny_cli_assets: dict[str, str], tmp_path: Path
 ) -> None:
-    """`lightning-spec fit --config configs/gto_on_policy.yaml` at T = 1 end to end (tiny target
-    and drafter, 2 steps): GTO drafts, verifies by sampling and rewards trees on the rollouts
+    """GTO on its own rollouts (experiments/gto-draft-opd/configs/gto_on_policy.yaml) at T = 1
+    end to end (tiny target and drafter, 2 steps): GTO drafts, verifies by sampling and rewards trees on the rollouts
     its own drafter sampled through the decoder, beside the control's data and refreshes."""
     metrics = _tiny_fit_metrics(
-        "gto_on_policy.yaml", "gto_on_policy", tiny_cli_assets, tmp_path,
+        "experiments/gto-draft-opd/configs/gto_on_policy.yaml", "gto_on_policy", tiny_cli_assets,
+        tmp_path,
         ["--data.init_args.rollout_prompts=2", "--data.init_args.rollout_max_new_tokens=8",
          "--data.init_args.rollout_tree=dynamic:2,2,4", "--data.init_args.rollout_temperature=1.0",
          "--model.init_args.temperature=1.0", "--model.init_args.tree=dynamic:2,2,4",
@@ -310,16 +379,17 @@ def test_cli_fit_gto_on_its_own_sampled_rollouts(
 @pytest.mark.parametrize(
     ("config", "experiment", "expected"),
     [
-        ("draft_opd_greedy.yaml", "draft_opd_greedy",
+        ("configs/improve/draft_opd_eagle3_cpu.yaml", "draft_opd_greedy",
          {"train/loss_accepted", "train/loss_rejected", "train/not_greedy_texts"}),
-        ("sft_same_texts.yaml", "sft_same_texts", {"train/loss"}),
-        ("gto_greedy.yaml", "gto_greedy", {"train/loss_gto"}),
+        ("experiments/gto-draft-opd/configs/control_sft_same_texts.yaml", "sft_same_texts",
+         {"train/loss"}),
+        ("configs/improve/gto_eagle3_cpu.yaml", "gto_greedy", {"train/loss_gto"}),
     ],
 )  # fmt: skip
 def test_cli_fit_draft_opd_and_its_control_on_the_same_greedy_texts(
     tiny_cli_assets: dict[str, str], tmp_path: Path, config: str, experiment: str, expected: set
 ) -> None:
-    """`lightning-spec fit --config configs/{draft_opd_greedy,sft_same_texts}.yaml` end to end
+    """The Draft-OPD and GTO recipes and their SFT control on the same greedy texts end to end
     (tiny target and drafter, 2 steps): regenerated greedy texts with cached features, the
     reference's Draft-OPD (post-rejection suffix) and its SFT control on the same store."""
     metrics = _tiny_fit_metrics(
@@ -342,11 +412,10 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
     from lightning_spec.tracking import default_tracking_uri
 
     assert [p.name for p in ONLINE_CONFIGS] == [
-        "online_broad_vllm.yaml",
-        "online_domain.yaml", "online_domain_ref.yaml", "online_domain_ref_beside.yaml",
-        "online_domain_ref_cputree.yaml", "online_domain_ref_hydra.yaml", "online_domain_ref_live.yaml",
-        "online_domain_shift.yaml", "online_domain_shift_vllm.yaml", "online_domain_vllm.yaml",
-        "online_spec.yaml",
+        "ogd_mixed_cpu.yaml", "ogd_shift_cpu.yaml", "ogd_shift_vllm.yaml", "ogd_warm_cpu.yaml",
+        "serve_cpu_tree.yaml", "serve_hydra_optimistic.yaml", "serve_live_check.yaml",
+        "serve_strong_warm_start.yaml", "serve_update_beside.yaml", "vllm_broad_traffic.yaml",
+        "vllm_warm_start.yaml",
     ]
     for path in ONLINE_CONFIGS:
         config = load_config(path)
@@ -399,7 +468,7 @@ def test_an_online_configs_stream_and_strategy_options() -> None:
 
     from lightning_spec.cli.online import load_config, strategy_options, stream_segments
 
-    config = load_config(ROOT / "configs" / "online_domain_shift_vllm.yaml")
+    config = load_config(ROOT / "configs" / "online" / "ogd_shift_vllm.yaml")
     (segment,) = stream_segments(config)
     assert (segment.count, segment.order, segment.skip) == (1200, "source", 800)
     target = SimpleNamespace(eos_token_ids=[2, 7])
@@ -429,7 +498,7 @@ def test_out_of_range_values_fail_before_anything_is_prepared(
 
     with pytest.raises((SystemExit, ValueError)) as error:
         lightning_cli(
-            ["--config", str(ROOT / "configs" / "quickstart.yaml"), override,
+            [*config_args("configs/train/eagle3_quickstart_cpu.yaml"), override,
              "--model.init_args.target=/nonexistent", f"--trainer.default_root_dir={tmp_path}"],
             run=False,
         )  # fmt: skip
@@ -457,8 +526,7 @@ def test_prepare_builds_a_configs_store_once(
 
     args = [
         "prepare",
-        "--config",
-        str(ROOT / "configs" / "sft_same_texts.yaml"),
+        *config_args("experiments/gto-draft-opd/configs/control_sft_same_texts.yaml"),
         *_tiny_run_args(tiny_cli_assets, tmp_path, tmp_path / "run"),
         "--data.init_args.max_conversations=12",
         "--data.init_args.regenerate_max_new_tokens=8",
@@ -491,7 +559,7 @@ def test_store_text_batches_are_the_configs_batches_with_the_targets_pass(
 
     from lightning_spec.bench.greedy import store_text_batches
 
-    config = yaml.safe_load((ROOT / "configs" / "gto_greedy.yaml").read_text())
+    config = yaml.safe_load((ROOT / "configs" / "improve" / "gto_eagle3_cpu.yaml").read_text())
     config["data"]["init_args"].update(
         target=tiny_cli_assets["model"],
         dataset=tiny_cli_assets["chats"],

@@ -37,7 +37,7 @@ def _fit(stress: dict, run: Path, cache: Path) -> int:
     model, documents = str(stress["model"]), str(stress["documents"])
     return main(
         [
-            "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+            "fit", "--config", str(ROOT / "configs" / "train" / "eagle3_quickstart_cpu.yaml"),
             f"--model.init_args.target={model}",
             f"--data.init_args.target={model}",
             f"--data.init_args.dataset={documents}",

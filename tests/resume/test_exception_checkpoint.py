@@ -14,10 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKPOINTED = [
-    p for p in sorted((ROOT / "configs").glob("*.yaml"))
-    if "lightning.pytorch.callbacks.ModelCheckpoint" in p.read_text()
-]  # fmt: skip
+CONFIGS = sorted([*(ROOT / "configs").rglob("*.yaml"), *ROOT.glob("experiments/*/configs/*.yaml")])
+CHECKPOINTED = [p for p in CONFIGS if "lightning.pytorch.callbacks.ModelCheckpoint" in p.read_text()]
 
 
 class Crashing(LightningModule):
@@ -55,7 +53,7 @@ def test_configs_save_on_exceptions(path: Path) -> None:
 
 
 def test_a_crash_resumes_from_the_crashed_step(tmp_path: Path) -> None:
-    args = dict(_checkpoint_args(ROOT / "configs" / "sft_eagle3_cpu.yaml"), dirpath=str(tmp_path))
+    args = dict(_checkpoint_args(ROOT / "configs" / "train" / "eagle3_2h_cpu.yaml"), dirpath=str(tmp_path))
 
     def trainer() -> Trainer:
         return Trainer(max_steps=20, logger=False, enable_progress_bar=False,

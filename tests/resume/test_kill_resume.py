@@ -24,7 +24,7 @@ KILL_AFTER = 4
 
 
 def _config(tiny: dict[str, str], run: Path, cache: Path, slow: float) -> Path:
-    """A fit config like configs/quickstart.yaml, with a step checkpoint on every step."""
+    """A fit config like configs/train/eagle3_quickstart_cpu.yaml, with a step checkpoint on every step."""
     text = f"""
 seed_everything: 0
 trainer:

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Train B* (configs/bstar_stream.yaml), or resume it: the run folder lives in the asset cache so
+# Train the streamed baseline (configs/train/eagle3_stream_cpu.yaml; CONFIG=... for another recipe
+# whose run folder is runs/<its name>), or resume it: the run folder lives in the asset cache so
 # that a later session (whose work tree is new) continues from its last checkpoint, with the
 # RunBudget's spent seconds carried in that checkpoint. Extra arguments go to `fit`.
 # BUDGET_MINUTES=N gives the whole run (all its sessions) N minutes instead of the config's: a
 # resumed run with a larger budget refits its cosine schedule to the time that is left.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CONFIG=${CONFIG:-configs/bstar_stream.yaml}
+CONFIG=${CONFIG:-configs/train/eagle3_stream_cpu.yaml}
 NAME=$(basename "$CONFIG" .yaml)
 CACHE=${LIGHTNING_SPEC_CACHE:-$HOME/.cache/lightning-spec}
 mkdir -p "$CACHE/runs/$NAME" runs
