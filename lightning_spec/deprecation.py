@@ -27,10 +27,10 @@ def moved(old: str, new: str) -> ModuleType:
     return importlib.import_module(new)
 
 
-def renamed(module: str, old: str, new: str) -> None:
-    """Warn that `module.old` is now `module.new` (called by the module's ``__getattr__``)."""
+def renamed(old: str, new: str) -> None:
+    """Warn that the name `old` is now `new` (dotted paths; called by a module's ``__getattr__``)."""
     warnings.warn(
-        f"{module}.{old} is now {module}.{new}; the old name goes in the next release",
+        f"{old} is now {new}; the old name goes in the next release",
         DeprecationWarning,
         stacklevel=3,
     )

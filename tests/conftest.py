@@ -64,7 +64,7 @@ def fit_on_greedy_text(target, drafter, prompts, *, length: int = 32, steps: int
     `prompts` (each text `length` tokens): a tiny head that gets drafts accepted part of the
     time, so decoding tests see both accepted and rejected drafts."""
     from lightning_spec.decoding.engine import autoregressive_generate
-    from lightning_spec.objectives.sft import EagleSFT
+    from lightning_spec.objectives.sft import SFT
 
     texts = [
         list(p) + autoregressive_generate(target, list(p), length - len(p), stop_on_eos=False)
@@ -72,7 +72,7 @@ def fit_on_greedy_text(target, drafter, prompts, *, length: int = 32, steps: int
     ]
     ids = torch.tensor(texts)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
-    sft = EagleSFT.from_objects(target, drafter, ttt_steps=3)
+    sft = SFT.from_objects(target, drafter, ttt_steps=3)
     optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for _ in range(steps):
         optimizer.zero_grad()

@@ -258,7 +258,7 @@ class Objective(LightningModule):
 
     def describe_nonfinite(self) -> str:
         """What the last step found non-finite, for the stopping message (objectives that
-        check their inputs override it: `EagleSFT` names features, labels or the drafter)."""
+        check their inputs override it: `SFT` names features, labels or the drafter)."""
         return "lower the learning rate, check the data, or use bf16-mixed not fp16"
 
     def optimizer_step(

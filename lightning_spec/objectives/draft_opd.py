@@ -13,8 +13,8 @@ every drafted slot n + 1 .. K under reverse KL weighted gamma^(k-1), the teacher
 being the target conditioned on the drafter's own prefix d_1 .. d_{k-1} (one tree-block target
 pass per text, through the decoder's `score_trees_target`). Pooled normalisation
 (`losses.draft_opd_loss`). With the store's cached features and final hidden states, that pass
-over the suffixes is the only target compute of a step (configs/draft_opd_greedy.yaml; its
-control: configs/sft_same_texts.yaml).
+over the suffixes is the only target compute of a step (configs/improve/draft_opd_eagle3_cpu.yaml; its
+control: experiments/gto-draft-opd/configs/control_sft_same_texts.yaml).
 
 The earlier form, ``rejected_stream: tried``, trains on stored rollouts (StepRecord v2):
 
@@ -43,11 +43,11 @@ Ablations are config fields: ``gamma: 1``, ``lambda_rejected: 0`` (all forward),
 same lengths at random response positions instead of the drafter's error positions; in the
 suffix form only the accepted stream moves, as in the reference code),
 ``rejected_stream: tried``. The paper's negative control, SFT on the same texts without replay,
-is `EagleSFT` on the same store (configs/sft_same_texts.yaml; for stored rollouts
-configs/draft_opd_sft_control.yaml). Our extension for budgets where rollouts are scarce:
+is `SFT` on the same store (experiments/gto-draft-opd/configs/control_sft_same_texts.yaml; for stored rollouts
+experiments/gto-draft-opd/configs/control_sft_same_rollouts.yaml). Our extension for budgets where rollouts are scarce:
 ``lambda_sft`` > 0 adds the EAGLE-3 token loss on dataset rows that ride along with the
 rollouts (`RolloutDataModule(rollout_sft_mix=True)`). Validation reports the EAGLE-3 token loss on held-out
-dataset answers (inherited from `EagleSFT`) beside the acceptance callbacks' tau.
+dataset answers (inherited from `SFT`) beside the acceptance callbacks' tau.
 
 Why one file (~670 lines): one objective. The block replay (`replay_blocks`) exists only to feed
 this loss, and its slots, weights and teacher rows are read together with the loss terms; the
@@ -72,7 +72,8 @@ from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.target import TargetModel
 from lightning_spec.objectives import losses, opd_suffix
 from lightning_spec.objectives.base import BatchKeyError
-from lightning_spec.objectives.sft import EagleSFT, _draft_ids
+from lightning_spec.objectives.sft import SFT
+from lightning_spec.objectives.ttt import draft_vocab_ids
 from lightning_spec.tensor_lru import TensorLRU, tensor_key
 
 __all__ = ["DraftOPD", "ReplayBlocks", "replay_blocks"]
@@ -140,7 +141,7 @@ def replay_blocks(
     return ReplayBlocks(anchors, chains, lengths, depth, tokens, mask, corrections)
 
 
-class DraftOPD(EagleSFT):
+class DraftOPD(SFT):
     """Draft-OPD training on on-policy rollouts (see the module docstring)."""
 
     checkpoint_key: ClassVar[str] = "draft_opd"
@@ -282,7 +283,7 @@ class DraftOPD(EagleSFT):
     def build_drafter(self, target: TargetModel) -> Drafter:
         raise ValueError(
             "Draft-OPD starts from a trained drafter: set model.init_args.drafter_init to a "
-            "drafter folder (e.g. the output of configs/sft_eagle3_cpu.yaml)"
+            "drafter folder (e.g. the output of configs/train/eagle3_2h_cpu.yaml)"
         )
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -625,7 +626,7 @@ class DraftOPD(EagleSFT):
     def _draft_vocab_logprobs(self, rows: Tensor) -> Tensor:
         """Target logits [n, V] as log-probs [n, V_draft] in the drafter's vocabulary
         convention (``vocabulary``: renormalised over the draft ids, or the full softmax)."""
-        draft_ids = _draft_ids(self.drafter)
+        draft_ids = draft_vocab_ids(self.drafter)
         if self.hparams.vocabulary == "draft":
             restricted = losses.restrict_to_draft_vocab(target_logits=rows, draft_ids=draft_ids)
             return torch.log_softmax(restricted, dim=-1)

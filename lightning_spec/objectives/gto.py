@@ -17,7 +17,7 @@ training sequence:
 4. Debiased reward R = r - rbar (reference tree at the same prefix), group-standardised
    advantages, the per-token geometric-mean ratio s = exp((log M(S) - log M0(S)) / l) with
    log M(S) re-scored with gradients through the same seam (`path_logprobs`), and the clipped
-   surrogate. Total loss = L_token (the EAGLE-3 TTT loss, `EagleSFT`) + omega * L_GTO.
+   surrogate. Total loss = L_token (the EAGLE-3 TTT loss, `SFT`) + omega * L_GTO.
 
 Nothing here builds a tree, a mask or a verification of its own: what GTO trains on is exactly
 what the decoder would build and verify at that prefix.
@@ -49,16 +49,17 @@ from lightning_spec.decoding.lookup import require_drafter_policy
 from lightning_spec.decoding.score import TreeScores, score_trees_target, text_scores
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.decoding.verify import verify_greedy_argmax, verify_sample
+from lightning_spec.deprecation import renamed
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.models.drafters.proposer import absorbed_offset
 from lightning_spec.models.logits import tempered_softmax
 from lightning_spec.models.target import TargetModel
 from lightning_spec.objectives import losses
-from lightning_spec.objectives.sft import EagleSFT
+from lightning_spec.objectives.sft import SFT
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GTOResult", "GroupTreeOptimization", "choose_groups", "misalignment"]
+__all__ = ["GTO", "GTOResult", "choose_groups", "misalignment"]
 
 AGGREGATIONS = ("lse", "max", "mean")
 VALIDATION_SEED = 1_000_003
@@ -172,7 +173,7 @@ class GTOResult:
     rewards: list[float] = field(default_factory=list)  # per prefix, in root order
 
 
-class GroupTreeOptimization(EagleSFT):
+class GTO(SFT):
     """GTO on top of the EAGLE-3 TTT loss (see the module docstring).
 
     Starts from a trained drafter folder (`drafter_init`); a frozen copy of it is the
@@ -298,10 +299,10 @@ class GroupTreeOptimization(EagleSFT):
     def build_drafter(self, target: TargetModel) -> Drafter:
         raise ValueError(
             "GTO starts from a trained drafter: set model.init_args.drafter_init to a drafter "
-            "folder (e.g. the output of configs/sft_eagle3_cpu.yaml)"
+            "folder (e.g. the output of configs/train/eagle3_2h_cpu.yaml)"
         )
 
-    def train(self, mode: bool = True) -> GroupTreeOptimization:
+    def train(self, mode: bool = True) -> GTO:
         super().train(mode)
         self.reference.eval()  # frozen, whatever Lightning asks of the module tree
         return self
@@ -636,3 +637,12 @@ def _combine(parts: list[GTOResult], zero: Tensor, seconds: float) -> GTOResult:
         accept_lengths=[n for p in parts for n in p.accept_lengths],
         rewards=[r for p in parts for r in p.rewards],
     )
+
+
+def __getattr__(name: str) -> Any:
+    # The old name, kept for one release: configs and checkpoints saved before the rename name
+    # `lightning_spec.objectives.gto.GroupTreeOptimization`.
+    if name == "GroupTreeOptimization":
+        renamed(f"{__name__}.{name}", f"{__name__}.GTO")
+        return GTO
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,7 +23,7 @@ from torch import Tensor
 from lightning_spec.decoding.engine import Generation
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.objectives import losses
-from lightning_spec.objectives.sft import _draft_ids, ttt_loss_masks, ttt_unroll
+from lightning_spec.objectives.ttt import draft_vocab_ids, ttt_loss_masks, ttt_unroll
 
 __all__ = [
     "LABELS",
@@ -86,7 +86,7 @@ def soft_targets(drafter: Drafter, label_ids: Tensor, label_logprobs: Tensor) ->
     """(draft ids, probabilities) [..., k]: the target's top-k rows restricted to the drafter's
     draft vocabulary and renormalised there (ids outside it get probability 0; a row with no
     mass left is all zeros, and masked by the caller)."""
-    draft = label_ids if _draft_ids(drafter) is None else drafter.target_to_draft_ids(label_ids)
+    draft = label_ids if draft_vocab_ids(drafter) is None else drafter.target_to_draft_ids(label_ids)
     valid = (label_ids >= 0) & (draft >= 0)
     logits = label_logprobs.masked_fill(~valid, float("-inf"))
     mass = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -109,7 +109,7 @@ def _step_terms(
     # entry i (position i + 1) predicts token i + 2; the committed token is the target's argmax
     labels = torch.zeros_like(ids[:, 1:])
     labels[:, :-1] = ids[:, 2:]
-    draft_ids = _draft_ids(drafter)
+    draft_ids = draft_vocab_ids(drafter)
     label_draft = labels if draft_ids is None else drafter.target_to_draft_ids(labels)
     in_vocab = (label_draft >= 0).long()
     masks = ttt_loss_masks(loss_mask, steps=ttt_steps) * in_vocab.unsqueeze(0).float()
@@ -128,7 +128,7 @@ def _step_terms(
 def draft_vocab_miss(drafter: Drafter, batch: dict[str, Tensor]) -> float:
     """Share of the served (loss-mask) tokens the drafter cannot draft: outside its draft
     vocabulary, so never proposed and masked out of every loss (0 for a full vocabulary)."""
-    if _draft_ids(drafter) is None:
+    if draft_vocab_ids(drafter) is None:
         return 0.0
     ids = batch["input_ids"]
     served = (batch["loss_mask"] * batch["attention_mask"]).bool()

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_spec.callbacks.budget import RunBudget, fitted_total
-from lightning_spec.objectives.sft import WarmupCosine
+from lightning_spec.objectives.base import WarmupCosine
 
 
 class Clock:

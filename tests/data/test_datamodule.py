@@ -599,7 +599,7 @@ def test_prompt_only_stream_counts_its_vocabulary_on_the_target_answers(
     ids 0..k-1 in silence), and `vocab_source: data` counts the target's regenerated answers."""
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
     from lightning_spec.models.vocab import build_draft_vocab
-    from lightning_spec.objectives.sft import EagleSFT, draft_token_counts
+    from lightning_spec.objectives.sft import SFT, draft_token_counts
     from tests.conftest import quiet_trainer
 
     words = ["alpha", "beta", "gamma", "delta", "epsilon"]
@@ -621,7 +621,7 @@ def test_prompt_only_stream_counts_its_vocabulary_on_the_target_answers(
     assert torch.equal(counts, by_hand) and int(counts.sum()) > 0
 
     provisional = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=8, intermediate_size=32)
-    module = EagleSFT.from_objects(
+    module = SFT.from_objects(
         tiny_target,
         provisional,
         vocab_source="data",

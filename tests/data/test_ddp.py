@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
     from lightning_spec.data.datamodule import RolloutDataModule
-    from lightning_spec.objectives.sft import EagleSFT
+    from lightning_spec.objectives.sft import SFT
 
     model, chats, vocab, cache, out, fail, devices, batch, steps = sys.argv[1:10]
     torch.set_num_threads(1)
@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
     data = Data(target=model, dataset=chats, mode="dataset", batch_size=int(batch),
                 max_length=64, val_fraction=0.0, feature_cache_bytes=10**8, cache_dir=cache,
                 records_per_shard=8)
-    module = EagleSFT(target=model, draft_vocab_size=int(vocab), cache_dir=cache, ttt_steps=2,
+    module = SFT(target=model, draft_vocab_size=int(vocab), cache_dir=cache, ttt_steps=2,
                       lr=1e-2, warmup_steps=1, max_steps_for_schedule=1000)
     trainer = Trainer(accelerator="cpu", devices=int(devices),
                       strategy="ddp" if int(devices) > 1 else "auto", max_steps=int(steps),

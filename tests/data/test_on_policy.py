@@ -16,11 +16,11 @@ from lightning_spec.data.datamodule import RolloutDataModule
 from lightning_spec.data.on_policy import STEP_KEYS
 from lightning_spec.decoding.engine import autoregressive_generate
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
-from lightning_spec.objectives.sft import EagleSFT
+from lightning_spec.objectives.sft import SFT
 
 
-class Recording(EagleSFT):
-    """EagleSFT that remembers what each training batch held."""
+class Recording(SFT):
+    """SFT that remembers what each training batch held."""
 
     seen: list[dict]
 

@@ -1,5 +1,5 @@
 """HydraDrafter: lossless decoding through the one engine, one head per depth, folders that
-reload, and SFT training through EagleSFT."""
+reload, and training through SFT."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from lightning_spec.models.drafters.base import load_drafter
 from lightning_spec.models.drafters.hydra import HydraDrafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.sft import EagleSFT
+from lightning_spec.objectives.sft import SFT
 
 
 def _hydra(target: TargetModel, heads: int = 3) -> HydraDrafter:
@@ -64,7 +64,7 @@ def test_each_depth_has_its_head_and_folders_reload(tmp_path: Path) -> None:
 
 def test_sft_builds_and_trains_a_hydra_drafter() -> None:
     target = TargetModel.from_config(tiny_config("llama", num_layers=2), seed=3)
-    module = EagleSFT.from_objects(target, _hydra(target), ttt_steps=3)
+    module = SFT.from_objects(target, _hydra(target), ttt_steps=3)
     ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
     optimizer = torch.optim.Adam(module.drafter.parameters(), lr=1e-2)
@@ -78,7 +78,7 @@ def test_sft_builds_and_trains_a_hydra_drafter() -> None:
     assert losses[-1] < losses[0]
     assert all(h.proj.weight.grad is not None for h in module.drafter.heads[:3])  # every head
     with pytest.raises(ValueError, match="drafter_type"):
-        EagleSFT.from_objects(target, _hydra(target), drafter_type="medusa")
+        SFT.from_objects(target, _hydra(target), drafter_type="medusa")
 
 
 def test_onnx_export_refuses_hydra_with_the_reason() -> None:

@@ -21,7 +21,7 @@ from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
 from lightning_spec.objectives import losses
 from lightning_spec.objectives.block import block_sft_losses, choose_anchors, default_gamma
-from lightning_spec.objectives.sft import EagleSFT
+from lightning_spec.objectives.sft import SFT
 
 VOCAB = 128
 
@@ -147,7 +147,7 @@ def test_slot_k_of_anchor_a_is_trained_on_the_target_row_for_x_a_plus_k(
 def test_dflash_sft_two_steps_in_lightning(
     target: TargetModel, tmp_path: Path, anchor_feature: bool
 ) -> None:
-    module = EagleSFT.from_objects(
+    module = SFT.from_objects(
         target, _dflash(target, anchor_feature=anchor_feature), lr=1e-2, warmup_steps=1,
         max_steps_for_schedule=10, anchors_per_sequence=6, block_weighting="acceptance",
     )  # fmt: skip
@@ -176,19 +176,19 @@ def test_dflash_sft_two_steps_in_lightning(
 
 def test_fresh_dflash_drafter_from_the_objective(target: TargetModel) -> None:
     with pytest.raises(ValueError, match="block_weighting"):
-        EagleSFT.from_objects(target, _dflash(target), block_weighting="linear")
+        SFT.from_objects(target, _dflash(target), block_weighting="linear")
     with pytest.raises(ValueError, match="num_layers"):
-        EagleSFT.from_objects(target, _dflash(target), num_layers=0)
-    module = EagleSFT.from_objects(target, _dflash(target), drafter_type="dflash",
+        SFT.from_objects(target, _dflash(target), num_layers=0)
+    module = SFT.from_objects(target, _dflash(target), drafter_type="dflash",
                                    anchor_feature=True, block_size=6)  # fmt: skip
     fresh = module.build_drafter(target)  # what a config without drafter_init trains
     assert isinstance(fresh, DFlashDrafter) and fresh.anchor_feature and fresh.block_size == 6
 
 
 def test_gto_with_a_dflash_student_two_steps(target: TargetModel, tmp_path: Path) -> None:
-    from lightning_spec.objectives.gto import GroupTreeOptimization
+    from lightning_spec.objectives.gto import GTO
 
-    module = GroupTreeOptimization.from_objects(
+    module = GTO.from_objects(
         target, _dflash(target), tree="dynamic:3,3,8", group_size=4, groups=2, lr=1e-2,
         warmup_steps=1, max_steps_for_schedule=10, prepack_target=False,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""GroupTreeOptimization on tiny models: prefix groups, the decoder's own trees and scores,
+"""GTO on tiny models: prefix groups, the decoder's own trees and scores,
 L_GTO = 0 while the drafter equals its reference, gradients after it moves, a Lightning run that
 keeps the reference frozen and out of checkpoints, misalignment statistics by hand."""
 
@@ -17,7 +17,7 @@ from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
-from lightning_spec.objectives.gto import GroupTreeOptimization, choose_groups, misalignment
+from lightning_spec.objectives.gto import GTO, choose_groups, misalignment
 
 VOCAB = 128
 
@@ -50,7 +50,7 @@ def _batch(length: int = 40) -> dict:
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask * attention}
 
 
-def _module(target: TargetModel, **overrides: object) -> GroupTreeOptimization:
+def _module(target: TargetModel, **overrides: object) -> GTO:
     drafter = HELPERS._drafter(target)
     options = {
         "tree": "dynamic:3,3,8",
@@ -62,7 +62,7 @@ def _module(target: TargetModel, **overrides: object) -> GroupTreeOptimization:
         "max_steps_for_schedule": 10,
     }
     options.update(overrides)
-    return GroupTreeOptimization.from_objects(target, drafter, **options)
+    return GTO.from_objects(target, drafter, **options)
 
 
 def test_choose_groups_partitions_valid_roots_into_non_overlapping_groups() -> None:
@@ -248,7 +248,7 @@ def test_cached_pass_gives_exactly_what_scoring_through_the_target_gives(
     batch = _greedy_text_batch(target)
     drafter = Eagle3Drafter.from_target(target, intermediate_size=64)  # the full vocabulary
     greedy_fit(target, drafter, [batch["input_ids"][i, :6].tolist() for i in range(2)], length=48, steps=30)
-    module = GroupTreeOptimization.from_objects(
+    module = GTO.from_objects(
         target, drafter, tree="dynamic:3,3,8", group_size=4, groups=3, ttt_steps=2
     )
     with torch.no_grad():  # move the drafter off its reference, so advantages are not all 0
@@ -316,7 +316,7 @@ def test_gto_only_steps_move_the_surrogate_in_the_direction_of_their_sign(
     batch = _greedy_text_batch(target)
     drafter = Eagle3Drafter.from_target(target, intermediate_size=64)
     greedy_fit(target, drafter, [batch["input_ids"][i, :6].tolist() for i in range(2)], length=48, steps=30)
-    module = GroupTreeOptimization.from_objects(
+    module = GTO.from_objects(
         target, drafter, tree="dynamic:3,3,8", group_size=4, groups=3, ttt_steps=2,
         omega=omega, token_weight=0.0,
     )

@@ -1,4 +1,4 @@
-"""EagleSFT: TTT == the decoder's chain, a two-step CPU smoke run read back from a real SQLite
+"""SFT: TTT == the decoder's chain, a two-step CPU smoke run read back from a real SQLite
 MLflow store, checkpoints without the target, non-finite steps skipped, draft-vocab counting."""
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
 from lightning_spec.objectives import sft
-from lightning_spec.objectives.sft import EagleSFT, WarmupCosine, ttt_attention_mask, ttt_unroll
+from lightning_spec.objectives.sft import SFT, WarmupCosine
+from lightning_spec.objectives.ttt import (
+    cached_ttt_labels,
+    ttt_attention_mask,
+    ttt_loss_masks,
+    ttt_unroll,
+)
 from lightning_spec.tracking import default_tracking_uri, make_mlflow_logger
 from tests.conftest import quiet_trainer
 
@@ -162,7 +168,7 @@ def test_ttt_step_k_equals_decoder_chain_at_depth_k(target: TargetModel, kind: s
 
 def test_loss_masks_shift_and_drop_rootless_entries() -> None:
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0]])
-    masks = sft.ttt_loss_masks(loss_mask, steps=3)
+    masks = ttt_loss_masks(loss_mask, steps=3)
     # entry i (position i + 1) predicts token i + 2; step k needs i >= k.
     assert masks[0, 0].tolist() == [1, 1, 1, 0, 0]
     assert masks[1, 0].tolist() == [0, 1, 1, 0, 0]
@@ -170,7 +176,7 @@ def test_loss_masks_shift_and_drop_rootless_entries() -> None:
 
 
 def test_cached_features_give_the_online_loss(target: TargetModel) -> None:
-    module = EagleSFT.from_objects(target, _drafter(target), ttt_steps=2)
+    module = SFT.from_objects(target, _drafter(target), ttt_steps=2)
     batch = _batch()
     online = module._common_step(batch)
     output = target(batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
@@ -179,7 +185,7 @@ def test_cached_features_give_the_online_loss(target: TargetModel) -> None:
     )
     torch.testing.assert_close(cached.loss, online.loss)
     torch.testing.assert_close(cached.step_accuracy, online.step_accuracy)
-    assert online.tokens == int(sft.ttt_loss_masks(batch["loss_mask"], steps=1).sum())
+    assert online.tokens == int(ttt_loss_masks(batch["loss_mask"], steps=1).sum())
     # with the cached argmax too, the labels skip the full-vocabulary head: same loss
     argmax = {**batch, "features": output.features, "last_hidden": output.last_hidden}
     argmax["target_argmax"] = output.logits.argmax(-1)
@@ -200,7 +206,7 @@ def test_cached_labels_by_hand() -> None:
         d2t = torch.tensor([0, 1])  # draft id d -> target id d + d2t[d]: 0 -> 0, 1 -> 2
 
     hidden = torch.tensor([[[9.0, 9.0], [2.0, 0.0], [0.0, 0.0]]])
-    probs, argmax = sft.cached_ttt_labels(
+    probs, argmax = cached_ttt_labels(
         Draft(), head=head, last_hidden=hidden, target_argmax=torch.tensor([[5, 1, 2]])
     )
     # rows 1 and 2 of the sequence: logits over target ids (0, 2) = (2, 2) and (0, 0)
@@ -219,7 +225,7 @@ def test_warmup_cosine_by_hand() -> None:
 def test_mismatched_drafter_is_rejected(target: TargetModel) -> None:
     other = TargetModel.from_config(tiny_config("llama", vocab_size=96, num_layers=4), seed=2)
     with pytest.raises(ValueError, match="another tokenizer"):
-        EagleSFT.from_objects(target, Eagle3Drafter.from_target(other))
+        SFT.from_objects(target, Eagle3Drafter.from_target(other))
 
 
 # ------------------------------------------------------------------------------------ smoke run
@@ -243,7 +249,7 @@ def test_two_step_smoke_run_logs_to_sqlite_mlflow(
     run_dir = tmp_path / "runs" / "smoke"
     drafter = _drafter(target)
     embedding_before = target.input_embeddings().weight.clone()
-    module = EagleSFT.from_objects(
+    module = SFT.from_objects(
         target, drafter, ttt_steps=3, lr=2e-3, warmup_steps=1, max_steps_for_schedule=10
     )
     probe = _TargetModeProbe()
@@ -323,7 +329,7 @@ def test_two_step_smoke_run_logs_to_sqlite_mlflow(
     checkpoint = torch.load(tmp_path / "sft.ckpt", weights_only=False)
     assert not [k for k in checkpoint["state_dict"] if k.startswith("target.")]
     assert "drafter.fc.weight" in checkpoint["state_dict"]
-    fresh = EagleSFT.from_objects(target, _drafter(target, noise=0.1), ttt_steps=3)
+    fresh = SFT.from_objects(target, _drafter(target, noise=0.1), ttt_steps=3)
     fresh.on_load_checkpoint(checkpoint)
     fresh.load_state_dict(checkpoint["state_dict"], strict=True)
     torch.testing.assert_close(fresh.drafter.fc.weight, module.drafter.fc.weight)
@@ -339,8 +345,8 @@ def test_nonfinite_steps_are_skipped_then_fatal(target: TargetModel) -> None:
         "last_hidden": output.last_hidden,
     }
 
-    def fit(limit: int) -> EagleSFT:
-        module = EagleSFT.from_objects(
+    def fit(limit: int) -> SFT:
+        module = SFT.from_objects(
             target, _drafter(target), ttt_steps=2, max_consecutive_nonfinite=limit, warmup_steps=1
         )
         trainer = quiet_trainer()
@@ -357,7 +363,7 @@ def test_nonfinite_steps_are_skipped_then_fatal(target: TargetModel) -> None:
 
 
 def test_nonfinite_message_says_when_the_inputs_were_finite(target: TargetModel) -> None:
-    module = EagleSFT.from_objects(target, _drafter(target), ttt_steps=2)
+    module = SFT.from_objects(target, _drafter(target), ttt_steps=2)
     module._common_step(_batch())
     assert "features and labels were finite" in module.describe_nonfinite()
 
@@ -404,8 +410,8 @@ def test_draft_token_counts_from_assistant_turns(
 # ------------------------------------------------------------------------------------ two ranks
 
 
-class SpawnSafeSFT(EagleSFT):
-    """EagleSFT that re-registers the target's output recorders in a spawned process.
+class SpawnSafeSFT(SFT):
+    """SFT that re-registers the target's output recorders in a spawned process.
 
     transformers 5.24 records which outputs a model class can capture in a registry filled by
     the model's __init__; a model unpickled in a fresh process (ddp_spawn) is not in it and
@@ -457,7 +463,7 @@ def test_ddp_spawn_two_ranks_agree_with_one_process(
     batch = _batch()
     trainer.fit(module, datamodule=TinyData(batch, prompts=prompts))
     # Each rank gets one of the two batches (one step); train/tokens sums both ranks.
-    per_batch = int(sft.ttt_loss_masks(batch["loss_mask"], steps=1).sum())
+    per_batch = int(ttt_loss_masks(batch["loss_mask"], steps=1).sum())
     assert float(trainer.callback_metrics["train/tokens"]) == 2 * per_batch
     # ddp_spawn hands rank 0's weights and logged metrics back to this process.
     single = AcceptanceEval(num_prompts=3, max_new_tokens=6, tree="chain:2")
@@ -486,8 +492,8 @@ def test_prepacked_target_and_bf16_autocast_keep_the_targets_fp32_features() -> 
     packed_target = TargetModel.from_config(tiny_config("llama", num_layers=4), seed=1)
     plain_drafter, packed_drafter = _drafter(plain_target), _drafter(packed_target)
     packed_drafter.load_state_dict(plain_drafter.state_dict())
-    plain = EagleSFT.from_objects(plain_target, plain_drafter, ttt_steps=2)
-    packed = EagleSFT.from_objects(packed_target, packed_drafter, ttt_steps=2, prepack_target=True)
+    plain = SFT.from_objects(plain_target, plain_drafter, ttt_steps=2)
+    packed = SFT.from_objects(packed_target, packed_drafter, ttt_steps=2, prepack_target=True)
     assert is_prepacked(packed_target.model) and not is_prepacked(plain_target.model)
     batch = _batch()
     torch.testing.assert_close(
@@ -505,17 +511,17 @@ def test_prepacked_target_and_bf16_autocast_keep_the_targets_fp32_features() -> 
 
 @pytest.mark.parametrize("objective", ["gto", "draft_opd"])
 def test_gto_and_draft_opd_prepack_through_eagle_sft(objective: str) -> None:
-    """The subclasses pass `prepack_target` to EagleSFT (one prepacking path), and GTO's frozen
+    """The subclasses pass `prepack_target` to SFT (one prepacking path), and GTO's frozen
     reference drafter, copied after it, equals the trained one."""
     from lightning_spec.models.packed import is_prepacked, prepack_unavailable_reason
     from lightning_spec.objectives.draft_opd import DraftOPD
-    from lightning_spec.objectives.gto import GroupTreeOptimization
+    from lightning_spec.objectives.gto import GTO
 
     target = TargetModel.from_config(tiny_config("llama", num_layers=4), seed=1)
     reason = prepack_unavailable_reason(target.model)
     if reason is not None:
         pytest.skip(f"prepacking cannot run here: {reason}")
-    cls = GroupTreeOptimization if objective == "gto" else DraftOPD
+    cls = GTO if objective == "gto" else DraftOPD
     module = cls.from_objects(target, _drafter(target), prepack_target=True)
     assert is_prepacked(target.model)
     if objective == "gto":

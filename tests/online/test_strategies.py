@@ -181,7 +181,7 @@ def test_the_safety_guard_rolls_back_an_update_that_costs_acceptance(
     target: TargetModel, tmp_path: Path
 ) -> None:
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
-    from lightning_spec.objectives.sft import EagleSFT
+    from lightning_spec.objectives.sft import SFT
     from lightning_spec.online.loop import SafetyGuard
     from lightning_spec.online.strategies import _trainable
 
@@ -190,7 +190,7 @@ def test_the_safety_guard_rolls_back_an_update_that_costs_acceptance(
     prompts = [r.prompt for r in _requests(2)]
     texts = torch.tensor([p + autoregressive_generate(target, p, 16, stop_on_eos=False)
                           for p in prompts])  # fmt: skip
-    sft = EagleSFT.from_objects(target, drafter, ttt_steps=3)
+    sft = SFT.from_objects(target, drafter, ttt_steps=3)
     optimizer = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for _ in range(60):  # a drafter that accepts on the probe, so there is tau to lose
         optimizer.zero_grad()

@@ -54,7 +54,7 @@ trainer:
       init_args:
         seconds: {slow}
 model:
-  class_path: lightning_spec.objectives.sft.EagleSFT
+  class_path: lightning_spec.objectives.sft.SFT
   init_args:
     target: {tiny["model"]}
     draft_vocab_size: {tiny["vocab"]}

@@ -15,7 +15,7 @@ drafted, so a tree branch is conditioned on its own earlier tokens. Here:
 
 Vocabulary, embeddings (shared with the target, frozen), the reduced draft vocabulary, ``fc``,
 the final norm and the LM head are the EAGLE-3 head's (`Eagle3Drafter`), so Hydra folders load,
-train (`EagleSFT(drafter_type="hydra")`: the TTT unroll drafts depth k with head k) and decode
+train (`SFT(drafter_type="hydra")`: the TTT unroll drafts depth k with head k) and decode
 through the same code. The folder is ours (no SGLang/vLLM layout exists for these heads).
 """
 
