@@ -54,10 +54,10 @@ from lightning_spec.export.onnx import (
     TRACE_PAST,
     TRACE_TOKENS,
     GraphSpec,
-    _export,
+    export_module,
     graph_spec,
 )
-from lightning_spec.export.parity import _argmax_agreement, _compare, _session
+from lightning_spec.export.parity import argmax_agreement, compare_outputs, ort_session
 from lightning_spec.models.drafters.dflash import DFlashDrafter
 
 CONTEXT_FILE = "dflash_context.onnx"
@@ -160,7 +160,7 @@ def export_context_graph(
     batch, tokens = Dim("batch", min=2), Dim("tokens", min=2)
     features = torch.randn(TRACE_BATCH, TRACE_TOKENS, model.fc.in_features)
     positions = torch.arange(1, TRACE_TOKENS + 1).expand(TRACE_BATCH, -1).contiguous()
-    _export(
+    export_module(
         ContextGraph(model),
         (features, positions),
         {"features": {0: batch, 1: tokens}, "position_ids": {0: batch, 1: tokens}},
@@ -201,7 +201,7 @@ def export_block_graph(
     if model.anchor_feature:
         shapes["anchor_context"] = {0: batch}
     example = block_example_inputs(model, TRACE_BATCH, TRACE_PAST)
-    _export(BlockGraph(model), example, shapes, names, BLOCK_OUTPUTS, path, opset)
+    export_module(BlockGraph(model), example, shapes, names, BLOCK_OUTPUTS, path, opset)
     slots = model.block_size - 1
     return graph_spec(
         path,
@@ -238,13 +238,13 @@ class _Tally:
     def diffs(self, pairs: dict[str, tuple[Tensor, np.ndarray]]) -> dict[str, float]:
         out = {}
         for name, (reference, candidate) in pairs.items():
-            diff, scale = _compare(reference, candidate)
+            diff, scale = compare_outputs(reference, candidate)
             out[name] = diff
             self.worst, self.scale = max(self.worst, diff), max(self.scale, scale)
         return out
 
     def logits(self, reference: Tensor, candidate: np.ndarray) -> float:
-        hits, count = _argmax_agreement(reference, candidate)
+        hits, count = argmax_agreement(reference, candidate)
         self.agree, self.total = self.agree + hits, self.total + count
         return hits / max(count, 1)
 
@@ -258,7 +258,7 @@ class _Tally:
 
 
 def _sessions(export_dir: Path, providers: Any) -> tuple[Any, Any]:
-    return _session(export_dir / CONTEXT_FILE, providers), _session(export_dir / BLOCK_FILE, providers)
+    return ort_session(export_dir / CONTEXT_FILE, providers), ort_session(export_dir / BLOCK_FILE, providers)
 
 
 @torch.no_grad()

@@ -183,7 +183,7 @@ def step_example_inputs(
     return input_ids, position_ids, hidden_in, past_keys, past_values, mask
 
 
-def _export(
+def export_module(
     module: nn.Module,
     args: tuple[Tensor, ...],
     dynamic_shapes: dict[str, dict[int, Any]],
@@ -192,6 +192,8 @@ def _export(
     path: Path,
     opset: int,
 ) -> None:
+    """Export `module` called on `args` to the ONNX file `path` with torch's dynamo exporter
+    (`dynamic_shapes` naming the axes that vary), inputs and outputs named as given."""
     if opset < MIN_OPSET:
         raise ValueError(f"opset {opset} is too old: the dynamo exporter needs >= {MIN_OPSET}")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,7 +259,7 @@ def export_step_graph(
         "past_values": {0: batch, 2: past},
         "attention_mask": {0: batch, 1: tokens, 2: Dim.AUTO},
     }
-    _export(
+    export_module(
         DrafterStepGraph(model),
         step_example_inputs(model),
         dynamic_shapes,
@@ -297,7 +299,7 @@ def export_fc_graph(
     model = export_ready(drafter)
     batch, tokens = Dim("batch", min=2), Dim("tokens", min=2)
     features = torch.randn(TRACE_BATCH, TRACE_TOKENS, model.fc.in_features)
-    _export(
+    export_module(
         FeatureProjection(model),
         (features,),
         {"features": {0: batch, 1: tokens}},

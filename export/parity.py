@@ -53,7 +53,11 @@ DEFAULT_TOLERANCES = {"atol": 1e-4, "rtol": 1e-5, "min_argmax_agreement": 0.99}
 DRAFTER_FOLDER = "drafter"
 
 
-def _session(path: str | Path, providers: Sequence[str] | None = None, threads: int = 0) -> Any:
+def ort_session(
+    path: str | Path, providers: Sequence[str] | None = None, threads: int = 0
+) -> Any:
+    """An onnxruntime session of the graph at `path` (CPU unless `providers` says otherwise),
+    quiet and without busy-waiting threads; `threads` > 0 caps its intra-op threads."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -91,14 +95,15 @@ def random_tree_mask(batch: int, tokens: int, past: int, generator: torch.Genera
     return mask
 
 
-def _compare(reference: Tensor, candidate: np.ndarray) -> tuple[float, float]:
+def compare_outputs(reference: Tensor, candidate: np.ndarray) -> tuple[float, float]:
     """(max |reference - candidate|, max |reference|)."""
     reference = _numpy(reference, np.float32)
     diff = float(np.max(np.abs(reference - candidate), initial=0.0))
     return diff, float(np.max(np.abs(reference), initial=0.0))
 
 
-def _argmax_agreement(reference: Tensor, candidate: np.ndarray) -> tuple[int, int]:
+def argmax_agreement(reference: Tensor, candidate: np.ndarray) -> tuple[int, int]:
+    """(rows whose argmax over the last axis agrees, rows compared)."""
     ref = reference.argmax(dim=-1).cpu().numpy()
     got = candidate.argmax(axis=-1)
     return int((ref == got).sum()), int(ref.size)
@@ -119,8 +124,8 @@ def step_parity(
     export_dir = Path(export_dir)
     model = export_ready(drafter)
     graph = DrafterStepGraph(model)
-    step_session = _session(export_dir / STEP_FILE, providers)
-    fc_session = _session(export_dir / FC_FILE, providers)
+    step_session = ort_session(export_dir / STEP_FILE, providers)
+    fc_session = ort_session(export_dir / FC_FILE, providers)
     generator = torch.Generator().manual_seed(seed)
     results = []
     agree = total = 0
@@ -133,7 +138,7 @@ def step_parity(
             None, {n: _numpy(t) for n, t in zip(STEP_INPUTS, inputs, strict=True)}
         )
         compared = {
-            name: _compare(ref, out)
+            name: compare_outputs(ref, out)
             for name, ref, out in zip(
                 ("logits", "hidden_out", "present_keys", "present_values"),
                 reference,
@@ -143,10 +148,10 @@ def step_parity(
         }
         features = torch.randn(batch, tokens, model.fc.in_features, generator=generator)
         (fc_out,) = fc_session.run(None, {"features": _numpy(features)})
-        compared["fc_hidden"] = _compare(model.fuse(features), fc_out)
+        compared["fc_hidden"] = compare_outputs(model.fuse(features), fc_out)
         diffs = {name: diff for name, (diff, _) in compared.items()}
         scale = max(scale, *(ref_scale for _, ref_scale in compared.values()))
-        hits, count = _argmax_agreement(reference[0], outputs[0])
+        hits, count = argmax_agreement(reference[0], outputs[0])
         agree, total = agree + hits, total + count
         worst = max(worst, *diffs.values())
         results.append(
@@ -194,8 +199,8 @@ class OnnxEagle3Drafter(Drafter):
             "head_dim", int(config["hidden_size"]) // int(config["num_attention_heads"])
         )
         super().__init__(config)
-        self.step_session = _session(step_path, providers, threads)
-        self.fc_session = _session(fc_path, providers, threads)
+        self.step_session = ort_session(step_path, providers, threads)
+        self.fc_session = ort_session(fc_path, providers, threads)
         if d2t is None:
             d2t = torch.zeros(int(config["draft_vocab_size"]), dtype=torch.long)
         self.register_buffer("d2t", d2t.to(torch.long).cpu())
@@ -300,7 +305,7 @@ class OnnxTreeVerifier:
         providers: Sequence[str] | None = None,
         threads: int = 0,
     ) -> None:
-        self.session = _session(path, providers, threads)
+        self.session = ort_session(path, providers, threads)
         props = dict(self.session.get_modelmeta().custom_metadata_map)
         self.max_nodes = int(max_nodes or props.get("max_nodes", DEFAULT_MAX_NODES))
 
@@ -445,12 +450,12 @@ def rollout_parity(
 
     def track(reference: Tensor, candidate: Tensor) -> None:
         nonlocal worst, scale
-        diff, ref_scale = _compare(reference, candidate.numpy())
+        diff, ref_scale = compare_outputs(reference, candidate.numpy())
         worst, scale = max(worst, diff), max(scale, ref_scale)
 
     track(ref.logits, got.logits)
     track(ref.hidden, got.hidden)
-    hits, count = _argmax_agreement(ref.logits, got.logits.numpy())
+    hits, count = argmax_agreement(ref.logits, got.logits.numpy())
     for step in range(steps):
         draft_id = ref.logits[:, -1:].argmax(dim=-1)  # [1, 1] draft vocabulary
         token = draft_id + model.d2t[draft_id]  # target id
@@ -460,7 +465,7 @@ def rollout_parity(
         got = onnx_drafter.step(onnx_state, token, position, hidden=hidden_onnx)
         track(ref.logits, got.logits)
         track(ref.hidden, got.hidden)
-        step_hits, step_count = _argmax_agreement(ref.logits, got.logits.numpy())
+        step_hits, step_count = argmax_agreement(ref.logits, got.logits.numpy())
         hits, count = hits + step_hits, count + step_count
     track(torch_state.keys, onnx_state.keys)
     track(torch_state.values, onnx_state.values)

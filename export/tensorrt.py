@@ -437,7 +437,7 @@ def engine_parity(
     import torch
 
     from lightning_spec.export.onnx import STEP_INPUTS
-    from lightning_spec.export.parity import _session, random_tree, random_tree_mask
+    from lightning_spec.export.parity import ort_session, random_tree, random_tree_mask
 
     export_dir = Path(export_dir)
     manifest = json.loads((export_dir / ENGINE_DIR / ENGINE_MANIFEST).read_text())
@@ -451,7 +451,7 @@ def engine_parity(
 
     if "drafter_step" in engines:
         runner = TrtEngineRunner(export_dir / ENGINE_DIR / engines["drafter_step"]["engine_file"])
-        session = _session(export_dir / export_manifest["graphs"]["drafter_step"]["file"])
+        session = ort_session(export_dir / export_manifest["graphs"]["drafter_step"]["file"])
         step_cases = []
         for batch, tokens, past in cases:
             feeds = {
@@ -502,7 +502,7 @@ def engine_parity(
 
     if "fc" in engines:
         runner = TrtEngineRunner(export_dir / ENGINE_DIR / engines["fc"]["engine_file"])
-        session = _session(export_dir / export_manifest["graphs"]["fc"]["file"])
+        session = ort_session(export_dir / export_manifest["graphs"]["fc"]["file"])
         width = export_manifest["graphs"]["fc"]["inputs"][0]["shape"][-1]
         features = torch.randn(2, 5, int(width), generator=generator)
         (expected,) = session.run(None, {"features": features.numpy()})

@@ -520,7 +520,7 @@ class DecodeSession:
         keep_q = tree.draft_probs is not None and tree.iid_children
         record = StepRecord(
             anchor=root_position,
-            tree=tree.to("cpu") if keep_q else _without_rows(tree).to("cpu"),
+            tree=tree.to("cpu") if keep_q else without_draft_probs(tree).to("cpu"),
             target_token_logprobs=token_logprobs,
             target_argmax=argmax.cpu(),
             accepted=accepted,
@@ -554,7 +554,7 @@ def _tempered(logits: Tensor, temperature: float) -> Tensor:
     return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
 
 
-def _without_rows(tree: DraftTree) -> DraftTree:
+def without_draft_probs(tree: DraftTree) -> DraftTree:
     """The tree without its [N + 1, V] q rows (kept only where verification reads them)."""
     if tree.draft_probs is None:
         return tree

@@ -37,7 +37,12 @@ import torch
 from torch import Tensor
 
 from lightning_spec.decoding.build import TreePolicy
-from lightning_spec.decoding.engine import Generation, StepRecord, _without_rows, top_label_rows
+from lightning_spec.decoding.engine import (
+    Generation,
+    StepRecord,
+    top_label_rows,
+    without_draft_probs,
+)
 from lightning_spec.decoding.tree import DraftTree
 from lightning_spec.decoding.verify import verify_greedy_argmax
 from lightning_spec.models.drafters.base import Drafter
@@ -259,7 +264,7 @@ def _replayed_step(
 ) -> StepRecord:
     """The record of the verification step at `anchor` (rows[d]: the target at anchor + d)."""
     tic = time.perf_counter()
-    tree = _without_rows(tree).to("cpu")
+    tree = without_draft_probs(tree).to("cpu")
     following = ids[anchor + 1 :].cpu()
     argmax, known = committed_argmax(tree, following)
     verification = verify_greedy_argmax(tree, argmax)
