@@ -11,8 +11,9 @@ budget then only caps them) and ``--pick last`` keeps the last drafter instead o
 
     lightning-spec bench compare --baseline ~/.cache/lightning-spec/baselines/X/drafter \\
         --minutes 30 --out ~/.cache/lightning-spec/compare/gto \\
-        gto=configs/gto.yaml control=configs/sft_continue_cpu.yaml \\
-        "gto_mean=configs/gto.yaml --model.init_args.aggregation mean"
+        gto=experiments/gto-draft-opd/configs/gto_on_dataset.yaml \\
+        control=experiments/gto-draft-opd/configs/control_sft_continue.yaml \\
+        "gto_mean=experiments/gto-draft-opd/configs/gto_on_dataset.yaml --model.init_args.aggregation mean"
 
 Then bench them side by side in one run, e.g. ``lightning-spec bench --drafter BASE --drafter
 OUT/gto/drafter --drafter OUT/control/drafter --dataset mtbench,humaneval --tree TREE

@@ -1,6 +1,6 @@
 """Every OnlineSpec strategy on the same request stream, one after another, and their table.
 
-For issue 17's comparison: one config (configs/online_spec.yaml) gives the stream, the target,
+For issue 17's comparison: one config (configs/online/ogd_mixed_cpu.yaml) gives the stream, the target,
 the drafter and the tree; each strategy serves the very same requests in the same rounds from
 the same starting drafter (alone on the machine, in turn). Then, per strategy: prequential mean
 tau with a 95% bootstrap interval over requests, the paired per-request difference to `frozen`
@@ -10,7 +10,7 @@ for every strategy (`tau_over_rounds.png`). Where both a strategy and `frozen` s
 requests with a bootstrap interval: ``served_gain`` (decoding seconds only) and ``net_gain``
 (each round's update charged to its requests). Runs already finished in OUT are reused (resume).
 
-    lightning-spec bench online --config configs/online_spec.yaml --out runs/online_compare \\
+    lightning-spec bench online --config configs/online/ogd_mixed_cpu.yaml --out runs/online_compare \\
         --strategies frozen,ogd,optimistic,ensemble,osd,dpo,hindsight [--seed 1] \\
         [--set optimistic.lr=0.5 --set optimistic.drafter=runs/sft_hydra_cpu/drafter/best]
 

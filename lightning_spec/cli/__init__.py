@@ -51,7 +51,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 LIGHTNING_SUBCOMMANDS = {
-    "fit": "train a drafter (LightningCLI; --config configs/quickstart.yaml)",
+    "fit": "train a drafter (LightningCLI; --config configs/train/eagle3_quickstart_cpu.yaml)",
     "validate": "run validation (acceptance evaluation) on a checkpoint",
     "test": "run the test loop",
 }

@@ -1,4 +1,4 @@
-"""`lightning-spec online --config configs/online_spec.yaml`: OnlineSpec over a request stream.
+"""`lightning-spec online --config configs/online/ogd_mixed_cpu.yaml`: OnlineSpec over a request stream.
 
 Reads a YAML config (target, drafter folder, tree, the stream's segments and seed, round size,
 tokens per request, the strategy and its options, the output folder), builds the stream

@@ -6,7 +6,7 @@ the target's regenerated answers (on-distribution, but generation costs ~4x a fo
 token), or a mixture of both? Every mode gets the same wall-clock budget *including* its data
 preparation (`RunBudget`, which also fits the learning-rate schedule to the deadline), starts
 from an empty rollout cache of its own (so nobody reuses anyone's features), and trains the same
-objective from `configs/quickstart.yaml`. Then one interleaved `lightning-spec bench` measures
+objective from `configs/train/eagle3_quickstart_cpu.yaml`. Then one interleaved `lightning-spec bench` measures
 every drafter on the same prompts (docs/benchmarking.md: ratios from one run).
 
     python experiments/drafters/scripts/bench_data_modes_train.py --minutes 10 \\
@@ -149,7 +149,7 @@ def parse_conversations(values: list[str]) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/quickstart.yaml")
+    parser.add_argument("--config", default="configs/train/eagle3_quickstart_cpu.yaml")
     parser.add_argument("--modes", nargs="+", default=list(DEFAULT_CONVERSATIONS))
     parser.add_argument("--minutes", type=float, default=10.0, help="wall budget per mode")
     parser.add_argument("--conversations", nargs="*", default=[], help="mode=N (see defaults)")

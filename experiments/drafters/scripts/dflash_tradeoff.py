@@ -2,7 +2,7 @@
 
 `experiments/drafters/scripts/drafting_cost.py` measures the cost side (one block forward per verification: flat in the
 block size, ~1.5-2 ms per layer here). This script measures the accuracy side: it trains DFlash
-variants of `configs/sft_dflash_cpu.yaml` (the same data, cached target features, seed and
+variants of `configs/train/dflash_2h_cpu.yaml` (the same data, cached target features, seed and
 schedule; only the layer count, the block size and optionally ``anchor_feature`` differ) for the
 same number of optimizer steps, one after another (`lightning-spec bench compare --steps`, each
 run alone on the cores; a killed invocation resumes), then benches every drafter's real decoding
@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
-BASE_CONFIG = ROOT / "configs" / "sft_dflash_cpu.yaml"
+BASE_CONFIG = ROOT / "configs" / "train" / "dflash_2h_cpu.yaml"
 ACCEPTANCE = "lightning_spec.callbacks.acceptance.AcceptanceEval"
 
 

@@ -16,7 +16,7 @@ def script(study_script):  # noqa: ANN001, ANN201
 
 
 def test_mode_config_budgets_the_whole_run(script, tmp_path: Path) -> None:
-    base = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    base = yaml.safe_load((ROOT / "configs" / "train" / "eagle3_quickstart_cpu.yaml").read_text())
     config = script.mode_config(
         base, mode="regenerated", conversations=70, minutes=9.5, workdir=tmp_path
     )
@@ -30,7 +30,7 @@ def test_mode_config_budgets_the_whole_run(script, tmp_path: Path) -> None:
     assert config["data"]["init_args"]["mode"] == "regenerated"
     assert config["data"]["init_args"]["max_conversations"] == 70
     assert trainer["default_root_dir"] == str(tmp_path / "regenerated")
-    before = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    before = yaml.safe_load((ROOT / "configs" / "train" / "eagle3_quickstart_cpu.yaml").read_text())
     assert base == before, "the base config is not modified"
 
 
@@ -38,7 +38,7 @@ def test_mode_config_instantiates(script, tiny_cli_assets: dict[str, str], tmp_p
     from lightning_spec.callbacks.budget import RunBudget
     from lightning_spec.cli import lightning_cli
 
-    base = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    base = yaml.safe_load((ROOT / "configs" / "train" / "eagle3_quickstart_cpu.yaml").read_text())
     config = script.mode_config(base, mode="mixture", conversations=5, minutes=1, workdir=tmp_path)
     path = tmp_path / "mixture.yaml"
     path.write_text(yaml.safe_dump(config))

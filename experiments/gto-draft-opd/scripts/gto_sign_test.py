@@ -3,7 +3,7 @@
     python experiments/gto-draft-opd/scripts/gto_sign_test.py --tiny --out experiments/gto-draft-opd/results/gto_sign_tiny.json
     python experiments/gto-draft-opd/scripts/gto_sign_test.py --drafter DIR --tree dynamic:6,10,32 --prompts 96 \
         --held-out 48 --steps 300 --omega 5 --lr 5e-5 --out experiments/gto-draft-opd/results/gto_sign_smollm2.json
-    python experiments/gto-draft-opd/scripts/gto_sign_test.py --drafter DIR --store configs/gto_greedy.yaml ...  # its texts
+    python experiments/gto-draft-opd/scripts/gto_sign_test.py --drafter DIR --store configs/improve/gto_eagle3_cpu.yaml ...  # its texts
 
 Every arm starts from the same drafter (its frozen copy is the reference), sees the same
 batches and the same prefixes (the group generator is reset per batch), and trains with

@@ -16,19 +16,19 @@ MINUTES=${3:-30}
 OUT=${4:-$HOME/.cache/lightning-spec/compare/objectives}
 LS=.venv/bin/lightning-spec
 $LS bench compare --baseline "$BASE" --minutes "$MINUTES" --out "$OUT" \
-  "gto=configs/gto.yaml --model.init_args.tree=$TREE" \
-  "sft_control=configs/sft_continue_cpu.yaml" \
-  "draft_opd=configs/draft_opd.yaml --data.init_args.rollout_tree=$TREE" \
-  "opd_sft_control=configs/draft_opd_sft_control.yaml --data.init_args.rollout_tree=$TREE"
+  "gto=experiments/gto-draft-opd/configs/gto_on_dataset.yaml --model.init_args.tree=$TREE" \
+  "sft_control=experiments/gto-draft-opd/configs/control_sft_continue.yaml" \
+  "draft_opd=experiments/gto-draft-opd/configs/draft_opd_on_policy.yaml --data.init_args.rollout_tree=$TREE" \
+  "opd_sft_control=experiments/gto-draft-opd/configs/control_sft_same_rollouts.yaml --data.init_args.rollout_tree=$TREE"
 $LS bench compare --baseline "$BASE" --minutes "$MINUTES" --out "$OUT" \
-  "gto_mean=configs/gto.yaml --model.init_args.tree=$TREE --model.init_args.aggregation=mean" \
-  "gto_max=configs/gto.yaml --model.init_args.tree=$TREE --model.init_args.aggregation=max" \
-  "gto_no_debias=configs/gto.yaml --model.init_args.tree=$TREE --model.init_args.debias=false" \
-  "gto_m1=configs/gto.yaml --model.init_args.tree=$TREE --model.init_args.group_size=1 --model.init_args.groups=16" \
-  "opd_gamma1=configs/draft_opd.yaml --data.init_args.rollout_tree=$TREE --model.init_args.gamma=1.0" \
-  "opd_forward=configs/draft_opd.yaml --data.init_args.rollout_tree=$TREE --model.init_args.lambda_rejected=0" \
-  "opd_reverse=configs/draft_opd.yaml --data.init_args.rollout_tree=$TREE --model.init_args.lambda_accepted=0" \
-  "opd_random=configs/draft_opd.yaml --data.init_args.rollout_tree=$TREE --model.init_args.anchors=random"
+  "gto_mean=experiments/gto-draft-opd/configs/gto_on_dataset.yaml --model.init_args.tree=$TREE --model.init_args.aggregation=mean" \
+  "gto_max=experiments/gto-draft-opd/configs/gto_on_dataset.yaml --model.init_args.tree=$TREE --model.init_args.aggregation=max" \
+  "gto_no_debias=experiments/gto-draft-opd/configs/gto_on_dataset.yaml --model.init_args.tree=$TREE --model.init_args.debias=false" \
+  "gto_m1=experiments/gto-draft-opd/configs/gto_on_dataset.yaml --model.init_args.tree=$TREE --model.init_args.group_size=1 --model.init_args.groups=16" \
+  "opd_gamma1=experiments/gto-draft-opd/configs/draft_opd_on_policy.yaml --data.init_args.rollout_tree=$TREE --model.init_args.gamma=1.0" \
+  "opd_forward=experiments/gto-draft-opd/configs/draft_opd_on_policy.yaml --data.init_args.rollout_tree=$TREE --model.init_args.lambda_rejected=0" \
+  "opd_reverse=experiments/gto-draft-opd/configs/draft_opd_on_policy.yaml --data.init_args.rollout_tree=$TREE --model.init_args.lambda_accepted=0" \
+  "opd_random=experiments/gto-draft-opd/configs/draft_opd_on_policy.yaml --data.init_args.rollout_tree=$TREE --model.init_args.anchors=random"
 for T in 0.0 1.0; do
   RESULT="$OUT/bench_T$T.json"
   [ -f "$RESULT" ] && continue

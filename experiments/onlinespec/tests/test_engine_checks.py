@@ -50,4 +50,4 @@ def test_the_beside_probe_needs_an_engine_config(study_script, tmp_path: Path) -
     """scripts/vllm_beside_probe.py refuses a config that vLLM does not serve, before loading."""
     probe = study_script("vllm_beside_probe")
     with pytest.raises(SystemExit):
-        probe.main(["--config", "configs/online_domain.yaml", "--output", str(tmp_path / "p.json")])
+        probe.main(["--config", "experiments/onlinespec/configs/serve_strong_warm_start.yaml", "--output", str(tmp_path / "p.json")])
