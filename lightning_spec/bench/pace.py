@@ -7,7 +7,7 @@ one process, against the default target (SmolLM2):
 accuracy. An EAGLE-3 step on a CPU is dominated by the frozen target's forward over the batch
 (the features and the final hidden state the labels come from), so a feature token's price sets
 how much unique data a CPU-hour buys. This runs that forward exactly as
-`EagleSFT._target_outputs` does (`output_features=True, logits_to_keep=1`), on real ShareGPT
+`SFT._target_outputs` does (`output_features=True, logits_to_keep=1`), on real ShareGPT
 text, for each setting named, rotating the settings so drift in the machine's speed hits all of
 them alike, and reports:
 
@@ -62,7 +62,7 @@ from lightning_spec.data.chat import render_prompt
 from lightning_spec.data.regenerate import greedy_answers
 from lightning_spec.data.sources import load_source
 from lightning_spec.models.target import TargetModel
-from lightning_spec.objectives.sft import EagleSFT
+from lightning_spec.objectives.sft import SFT
 
 __all__ = ["WHAT", "features", "fidelity", "main", "regen", "sft_step"]
 
@@ -249,7 +249,7 @@ def _batch(tokenizer, batch: int, length: int) -> dict[str, torch.Tensor]:
 
 
 def _time_step(
-    module: EagleSFT, optimizer: torch.optim.Optimizer, batch: dict, ttt: int, bf16: bool
+    module: SFT, optimizer: torch.optim.Optimizer, batch: dict, ttt: int, bf16: bool
 ) -> tuple[float, float]:
     """(target forward s, drafter step s) of one training step."""
     module.hparams.ttt_steps = ttt
@@ -279,7 +279,7 @@ def sft_step(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     machine = machine_info()
     torch.manual_seed(0)
-    module = EagleSFT(
+    module = SFT(
         target="smollm2", draft_vocab_size=4096, vocab_source="sharegpt",
         vocab_conversations=400, ttt_steps=3, prepack_target=not args.no_prepack,
     )

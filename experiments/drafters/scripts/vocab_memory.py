@@ -47,7 +47,7 @@ def measure(vocab: int, batch: int, tokens: int, draft_vocab: int, path: str) ->
 
     ``full logits`` is the step as it was before issue 19 (the target's [B, T, V] logits, then
     the draft-vocabulary softmax and the argmax over them), kept here as the reference;
-    ``chunked`` is `EagleSFT`'s step with the target run in it; ``cached`` reads the features,
+    ``chunked`` is `SFT`'s step with the target run in it; ``cached`` reads the features,
     final hidden states and argmax from the feature cache.
     """
     import torch
@@ -55,14 +55,15 @@ def measure(vocab: int, batch: int, tokens: int, draft_vocab: int, path: str) ->
     from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
     from lightning_spec.models.tiny import stress_target
     from lightning_spec.objectives import losses
-    from lightning_spec.objectives.sft import EagleSFT, _draft_ids, eagle_ttt_losses
+    from lightning_spec.objectives.sft import SFT
+    from lightning_spec.objectives.ttt import draft_vocab_ids, eagle_ttt_losses
 
     torch.set_num_threads(1)
     target = stress_target("llama", vocab_size=vocab, hidden_peak=10.0)
     drafter = Eagle3Drafter.from_target(
         target, draft_vocab_size=draft_vocab, token_counts=torch.arange(vocab).flip(0)
     )
-    module = EagleSFT.from_objects(target, drafter, ttt_steps=3, lr=1e-3, warmup_steps=1)
+    module = SFT.from_objects(target, drafter, ttt_steps=3, lr=1e-3, warmup_steps=1)
     ids = torch.randint(4, vocab, (batch, tokens), generator=torch.Generator().manual_seed(0))
     step = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
     if path == "cached":
@@ -81,7 +82,7 @@ def measure(vocab: int, batch: int, tokens: int, draft_vocab: int, path: str) ->
             out = target(ids, use_cache=False)
             rows = out.logits[:, 1:]
             labels = losses.restrict_to_draft_vocab(
-                target_logits=rows, draft_ids=_draft_ids(drafter)
+                target_logits=rows, draft_ids=draft_vocab_ids(drafter)
             )
             probs, argmax = torch.softmax(labels.float(), dim=-1), rows.argmax(dim=-1)
             features = out.features

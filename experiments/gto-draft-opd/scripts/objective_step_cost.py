@@ -39,8 +39,8 @@ from lightning_spec.data.datamodule import RolloutDataModule
 from lightning_spec.io import sha256_file
 from lightning_spec.models.drafters.base import load_drafter
 from lightning_spec.models.target import load_target
-from lightning_spec.objectives.gto import GroupTreeOptimization
-from lightning_spec.objectives.sft import EagleSFT
+from lightning_spec.objectives.gto import GTO
+from lightning_spec.objectives.sft import SFT
 
 
 def _batches(args: argparse.Namespace, target: Any) -> list[dict]:
@@ -113,8 +113,8 @@ def _greedy_arms(args: argparse.Namespace, target: Any, drafter: Any, batches: l
     """SFT, GTO cached, GTO scored and Draft-OPD (suffix), one after the other."""
     from lightning_spec.objectives.draft_opd import DraftOPD
 
-    def gto(cached: bool) -> GroupTreeOptimization:
-        return GroupTreeOptimization.from_objects(
+    def gto(cached: bool) -> GTO:
+        return GTO.from_objects(
             target, copy.deepcopy(drafter), tree=args.tree, groups=args.groups,
             group_size=args.group_size, ttt_steps=args.ttt_steps, prepack_target=True,
             cached_rewards=cached,
@@ -127,7 +127,7 @@ def _greedy_arms(args: argparse.Namespace, target: Any, drafter: Any, batches: l
         )
 
     arms: dict[str, Any] = {}
-    sft = EagleSFT.from_objects(target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps)
+    sft = SFT.from_objects(target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps)
     arms["sft"] = _time_loss(sft, batches, args.warmup, lambda m, b: m._common_step(b).loss)
     arms["gto_cached"] = _time_loss(gto(True), batches, args.warmup, gto_loss)
     arms["gto_scored"] = _time_loss(gto(False), batches, args.warmup, gto_loss)
@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         "group_size": args.group_size,
     }
     drafter = load_drafter(args.drafter)
-    sft = EagleSFT.from_objects(target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps)
+    sft = SFT.from_objects(target, copy.deepcopy(drafter), ttt_steps=args.ttt_steps)
     results["sft"] = _time(sft, batches, args.warmup, gto=False)
-    gto = GroupTreeOptimization.from_objects(
+    gto = GTO.from_objects(
         target,
         copy.deepcopy(drafter),
         tree=args.tree,

@@ -7,7 +7,7 @@ with ``record_feedback: true`` holds the feedback of every strategy on that stre
 rejected-draft slots that `osd` and `dpo` read, which are the recording drafter's own. Each
 variant here starts from the same drafter and, round by round, is first scored on the round
 (prequential: the online loss and the top-1 agreement of each TTT step with the committed
-tokens, `objectives.online_loss.online_metrics`), then updates on it exactly as the live loop would
+tokens, `online.losses.online_metrics`), then updates on it exactly as the live loop would
 (`strategy.update`). The winner is then confirmed by serving it live (`lightning-spec online`);
 top1_0 is the chain's first-token acceptance, a proxy of tau, not tau; top4_0 (``--top-k``) is
 the first level of a tree with 4 root children, closer to what `dynamic:2,4,8` accepts (on
