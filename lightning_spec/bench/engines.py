@@ -14,6 +14,7 @@ comes from the prompt pass) with A accepted drafts there were n - 1 - A verifica
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from lightning_spec.stats import speedup_summary, tau_summary
 __all__ = [
     "PromptResult",
     "chain_length",
+    "engine_drafter",
     "expected_tau",
     "engine_prompts",
     "ours_tau",
@@ -47,6 +49,36 @@ class PromptResult:
     drafted: int = 0
     accepted: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+ENGINE_DRAFTERS = ("eagle3", "dflash")  # the drafter types vLLM and llama.cpp load
+
+
+def engine_drafter(path: str | Path, engine: str) -> tuple[Path, dict[str, Any]]:
+    """The drafter folder `engine` (vLLM, llama.cpp) will load, as an absolute path, and its
+    config: checked before any long work.
+
+    An engine runs in another process, from another folder: a path relative to ours means
+    nothing there (vLLM then reads it as a hub repository id and fails). And a folder that is
+    not a trained EAGLE-3 or DFlash drafter's (config.json and model.safetensors) fails here,
+    not after our decoder's side of a bench has run for minutes."""
+    folder = Path(path).expanduser().resolve()
+    if not folder.is_dir():
+        raise ValueError(f"{engine} loads a drafter folder: {path} ({folder}) is not a folder")
+    missing = [name for name in ("config.json", "model.safetensors") if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"{engine} loads a drafter folder: {path} ({folder}) has no {' or '.join(missing)}; "
+            "give a trained drafter's folder, e.g. runs/quickstart/drafter/last"
+        )
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{engine}: {folder / 'config.json'} is not JSON: {error}") from error
+    method = config.get("drafter_type", "eagle3")
+    if method not in ENGINE_DRAFTERS:
+        raise ValueError(f"{engine} serves eagle3 and dflash drafters, not {method}")
+    return folder, config
 
 
 def verifications(result: PromptResult) -> int:

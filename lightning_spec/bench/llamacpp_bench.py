@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_spec.bench.engines import (
+    engine_drafter,
     engine_prompts,
     ours_tau,
     ours_tau_interval,
@@ -89,24 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
-
-
-    config = json.loads((args.drafter / "config.json").read_text())
-    method = config.get("drafter_type", "eagle3")
-    if method not in ("eagle3", "dflash"):
-        parser.error(f"llama.cpp serves eagle3 and dflash drafters, not {method}")
-    target = args.target or config.get("target_model") or "smollm2"
-    drafter_sha = sha256_file(args.drafter / "model.safetensors")
-    workdir = args.workdir or cache_root() / "llamacpp" / "exports" / drafter_sha[:16]
-    built = ensure_llamacpp()
-    prompts, origin = engine_prompts(target, args.dataset, args.limit)
     auto = args.n_max == "auto"
     if auto and not (args.ours or args.ours_from):
         parser.error("--n-max auto needs --ours or --ours-from (our decoder's per-depth acceptance)")
+    try:  # before anything long: the paths llama.cpp's tools get are absolute and load
+        drafter, config = engine_drafter(args.drafter, "llama.cpp")
+    except ValueError as error:
+        parser.error(str(error))
+    method = config.get("drafter_type", "eagle3")
+    target = args.target or config.get("target_model") or "smollm2"
+    drafter_sha = sha256_file(drafter / "model.safetensors")
+    workdir = (args.workdir or cache_root() / "llamacpp" / "exports" / drafter_sha[:16]).expanduser().resolve()
+    output = args.output.expanduser().resolve()
+    built = ensure_llamacpp()
+    prompts, origin = engine_prompts(target, args.dataset, args.limit)
     n_maxes = [AUTO_DEPTH] if auto else [int(k) for k in _csv(args.n_max)]
     report: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "drafter": str(args.drafter), "drafter_sha256": drafter_sha, "method": method,
+        "drafter": str(drafter), "drafter_sha256": drafter_sha, "method": method,
         "llamacpp": built.version, "threads": args.threads, "prompts": len(prompts),
         "datasets": _csv(args.dataset), "max_new_tokens": args.max_new_tokens,
         "p_min": args.p_min, "per_type": {},
@@ -120,19 +121,23 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--ours-from {args.ours_from}: not a report of this drafter, prompt set and length")
         report["ours"] = earlier["ours"]
         report["ours_from"] = str(args.ours_from)
-    elif args.ours:
+    # the drafter and target exported first (minutes at most): a drafter llama.cpp cannot take
+    # fails here, not after our decoder's side of the bench (`--ours`)
+    packages = {
+        ttype: export_gguf_package(
+            drafter, workdir, target=target, with_target=ttype, outtype="f32", reuse_target=True
+        )
+        for ttype in _csv(args.target_types)
+    }
+    if args.ours_from is None and args.ours:
         report["ours"] = {}
         for k in n_maxes:
             tic = time.perf_counter()
-            ours = ours_tau(args.drafter, target, prompts, k, args.max_new_tokens)
+            ours = ours_tau(drafter, target, prompts, k, args.max_new_tokens)
             ours["seconds"] = time.perf_counter() - tic
             report["ours"][f"chain:{k}"] = {key: v for key, v in ours.items() if key != "tokens"}
             print(f"[ours] chain:{k} tau {ours['tau']:.3f}", flush=True)
-    for ttype in _csv(args.target_types):
-        package = export_gguf_package(
-            args.drafter, workdir, target=target, with_target=ttype, outtype="f32",
-            reuse_target=True,
-        )
+    for ttype, package in packages.items():
         target_gguf = workdir / package["files"]["target"]["path"]
         drafter_gguf = workdir / package["files"]["drafter"]["path"]
         curve = cost_curve(built.binary("llama-bench"), target_gguf, list(range(1, max(n_maxes) + 2)), args.threads)
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 modes += [mode_args(kind, drafter_gguf=drafter_gguf, target_gguf=target_gguf, n_max=k, p_min=args.p_min) for k in chains]
             else:
                 modes.append(mode_args(name))
-        log_dir = args.output.parent / f"{args.output.stem}-logs-{ttype}"
+        log_dir = output.parent / f"{output.stem}-logs-{ttype}"
         log_dir.mkdir(parents=True, exist_ok=True)
         results = run_modes(
             built.binary("llama-server"), target_gguf, modes, prompts,
@@ -209,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                    if "parity_tau" in row else ""),
                 flush=True,
             )
-        atomic_write_json(args.output, report)
-    digest = hashlib.sha256(args.output.read_bytes()).hexdigest()[:12]
-    print(f"wrote {args.output} ({digest})")
+        atomic_write_json(output, report)
+    digest = hashlib.sha256(output.read_bytes()).hexdigest()[:12]
+    print(f"wrote {output} ({digest})")
     return 0
 

@@ -43,7 +43,7 @@ def target_folder(target: str) -> Path:
         from lightning_spec.data.assets import default_target_path
 
         return default_target_path()
-    path = Path(target).expanduser()
+    path = Path(target).expanduser().resolve()  # the worker runs in another folder
     if not (path / "config.json").is_file():
         raise ValueError(f"{target} is not a local HF model folder (vLLM loads one)")
     return path
@@ -56,7 +56,10 @@ def vllm_mode(name: str, *, drafter: Path | None = None, k: int = 3) -> dict[str
     if name in ("eagle3", "dflash"):
         if drafter is None:
             raise ValueError(f"mode {name} needs the drafter folder")
-        config = {"method": name, "model": str(drafter), "num_speculative_tokens": int(k)}
+        # absolute: the worker runs in another folder, and vLLM reads a relative path that is
+        # not there as a hub repository id
+        model = str(Path(drafter).expanduser().resolve())
+        config = {"method": name, "model": model, "num_speculative_tokens": int(k)}
         return {"name": f"{name}@{k}", "speculative_config": config}
     if name == "ngram":
         config = {"method": "ngram", "num_speculative_tokens": int(k), **NGRAM_LOOKUP}
@@ -133,7 +136,7 @@ def run_vllm(
     Every mode's engine stays up for the whole run, each with its own KV cache:
     `kv_cache_gib` (default `kv_cache_share`) keeps them inside the machine's memory."""
     spec = {
-        "target": str(target), "dtype": dtype, "modes": list(modes),
+        "target": str(Path(target).expanduser().resolve()), "dtype": dtype, "modes": list(modes),
         "prompts": [[int(t) for t in ids] for ids in prompts],
         "max_new_tokens": int(max_new_tokens), "batched": [int(b) for b in batched],
         "warmup": int(warmup), "enforce_eager": bool(enforce_eager),

