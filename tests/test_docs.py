@@ -2,11 +2,11 @@
 
 `mkdocs build --strict` fails on a broken link, a missing anchor or a page left out of the nav.
 Every command in a fenced shell block of the guide or the README (`lightning-spec ...`,
-`python bench/X.py ...`, `python -m lightning_spec....`, `./scripts/...`) is run through its
-real parser up to the point where work would start: an argparse command's `parse_args` (an
-unknown option or a bad value fails), a `fit`/`prepare` config through LightningCLI's parser (the
-config file exists and every `--model.init_args.x` override names a real argument), a script's
-existence. Nothing is trained or downloaded.
+`python experiments/<study>/scripts/X.py ...`, `python -m lightning_spec....`, `./scripts/...`) is
+run through its real parser up to the point where work would start: an argparse command's
+`parse_args` (an unknown option or a bad value fails), a `fit`/`prepare` config through
+LightningCLI's parser (the config file exists and every `--model.init_args.x` override names a
+real argument), a script's existence. Nothing is trained or downloaded.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ drafter, so the 244 MT-Bench + HumanEval prompts cost minutes per drafter instea
 What it does not measure: time. Tokens per second need a live run (`bench` without
 ``--replay``); the rows here carry no speeds. The per-prompt entries have the live bench's
 fields (``verifications``, ``committed_by_verification``, ``accept_lengths``, ``tokens``), so
-`bench/paired_tau.py` pairs drafters of a replay run the same way.
+`lightning-spec bench paired` pairs drafters of a replay run the same way.
 """
 
 from __future__ import annotations

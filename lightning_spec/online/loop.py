@@ -156,7 +156,7 @@ def run_stream(
     `regret_window` > 0 logs `regret_proxy` every that many rounds (see `regret_proxy`);
     `record_feedback` saves each round's served generations (tokens, step records, kept
     features) to ``feedback/round-NNNN.pt``, so strategies and learning rates can be compared
-    offline on the very same feedback (`bench/online_replay.py`) without serving again.
+    offline on the very same feedback (`experiments/onlinespec/scripts/online_replay.py`) without serving again.
     `continuations` (one per request, `online.continuations`): serve by exact greedy replay
     of these known answers instead of decoding (T = 0; tau and feedback as live, time not:
     the rows say ``replayed``); an empty one is decoded live. `update_every` k > 1: the

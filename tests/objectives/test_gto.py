@@ -311,7 +311,7 @@ def test_gto_only_steps_move_the_surrogate_in_the_direction_of_their_sign(
 ) -> None:
     """The mechanism's plumbing: GTO-only steps (token loss weight 0) on fixed prefixes lower
     L_GTO there with omega > 0 and raise it with omega < 0 (no sign or stop-gradient slip).
-    Whether that raises the tree reward is measured, not assumed: bench/gto_sign_test.py
+    Whether that raises the tree reward is measured, not assumed: experiments/gto-draft-opd/scripts/gto_sign_test.py
     (BENCHMARKS.md section 18: on this tiny model it lowers it, whatever the sign)."""
     batch = _greedy_text_batch(target)
     drafter = Eagle3Drafter.from_target(target, intermediate_size=64)
