@@ -50,7 +50,7 @@ import torch
 import yaml
 
 from lightning_spec import stats
-from lightning_spec.serving.online import served_totals
+from lightning_spec.online.loop import served_totals
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
@@ -456,7 +456,7 @@ def _options(name: str, options: dict[str, Any]) -> dict[str, Any]:
     ttt_steps and the labels; ``hindsight`` fits the config's own strategy, so it takes them all)."""
     import inspect
 
-    from lightning_spec.objectives.online import STRATEGIES
+    from lightning_spec.online.strategies import STRATEGIES
 
     if name == "hindsight":
         return dict(options)
