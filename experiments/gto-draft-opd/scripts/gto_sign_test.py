@@ -89,7 +89,7 @@ def _paired(a: list[float], b: list[float]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from lightning_spec.objectives.gto import GroupTreeOptimization
+    from lightning_spec.objectives.gto import GTO
 
     if args.tiny:
         from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             temperature=args.temperature, seed=args.seed,
         )  # fmt: skip
         # a head trained on the texts with the token loss alone: drafts accepted part of the time
-        warm = GroupTreeOptimization.from_objects(target, base, tree=args.tree, ttt_steps=2)
+        warm = GTO.from_objects(target, base, tree=args.tree, ttt_steps=2)
         optimizer = torch.optim.Adam(warm.drafter.parameters(), lr=3e-3)
         for step in range(args.warm_steps):
             optimizer.zero_grad()
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finals: dict[float, dict[str, list]] = {}
     for omega in (args.omega, 0.0, -args.omega):
         drafter = copy.deepcopy(base)
-        module = GroupTreeOptimization.from_objects(
+        module = GTO.from_objects(
             target,
             drafter,
             tree=args.tree,
