@@ -11,22 +11,16 @@ class path, argument name and type in the files is checked without the real mode
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from lightning_spec.overlays import composed, overlay_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "configs").rglob("*.yaml"))
 ARMS = sorted(ROOT.glob("experiments/*/configs/*.yaml"))
-OVERLAY = re.compile(r"# Overlay on (configs/\S+\.yaml):")
-
-
-def overlay_recipe(path: Path) -> Path | None:
-    """The recipe an experiment overlay composes on (its first line names it), else None."""
-    found = OVERLAY.match(path.read_text())
-    return ROOT / found.group(1) if found else None
 
 
 def config_args(path: str | Path) -> list[str]:
@@ -35,29 +29,6 @@ def config_args(path: str | Path) -> list[str]:
     path = ROOT / path
     recipe = overlay_recipe(path)
     return [*(["--config", str(recipe)] if recipe else []), "--config", str(path)]
-
-
-def _merged(base: dict, overlay: dict) -> dict:
-    """`overlay` over `base`: dicts key by key unless they name another `class_path` (then
-    replaced whole), anything else (lists too) replaced."""
-    out = dict(base)
-    for key, value in overlay.items():
-        below = base.get(key)
-        same = (
-            isinstance(value, dict) and isinstance(below, dict)
-            and value.get("class_path", below.get("class_path")) == below.get("class_path")
-        )  # fmt: skip
-        out[key] = _merged(below, value) if same else value
-    return out
-
-
-def composed(path: Path) -> dict:
-    """The YAML of a config, an overlay merged into its recipe. An overlay states every value
-    that differs from the recipe's or from a class default, so this equals the parser's
-    composition (which the tests instantiate)."""
-    recipe = overlay_recipe(path)
-    own = yaml.safe_load(path.read_text()) or {}
-    return _merged(yaml.safe_load(recipe.read_text()), own) if recipe else own
 
 
 def _name(path: Path) -> str:

@@ -35,14 +35,16 @@ from pathlib import Path
 import yaml
 
 from lightning_spec.io import sha256_file
+from lightning_spec.overlays import composed
 
 BUDGET = "lightning_spec.callbacks.budget.RunBudget"
 
 
 def budgeted_config(path: Path, minutes: float, run_dir: Path, *, steps: int | None = None) -> dict:
     """The config at `path` with its RunBudget set to `minutes` and its outputs in `run_dir`
-    (and `trainer.max_steps` set to `steps` when given)."""
-    config = yaml.safe_load(path.read_text())
+    (and `trainer.max_steps` set to `steps` when given). An experiment's overlay is composed on
+    its recipe first, so the budget and folders set here are the ones the run uses."""
+    config = composed(path)
     trainer = config.setdefault("trainer", {})
     if steps is not None:
         trainer["max_steps"] = int(steps)
