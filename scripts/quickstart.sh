@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 RUN=runs/quickstart
 # The tree is chosen for this machine (--tree auto: measured cost curve x the drafter's measured
 # acceptance) and the target's and drafter's linear weights are prepacked for oneDNN, the CPU
-# fast path (BENCHMARKS.md section 6); QUICKSTART_TREE=dynamic:6,10,32 QUICKSTART_PREPACK= for
+# fast path (RESULTS.md, and experiments/cpu-speed/LOG.md for the profile); QUICKSTART_TREE=dynamic:6,10,32 QUICKSTART_PREPACK= for
 # the earlier default.
 TREE="${QUICKSTART_TREE:-auto}"
 PREPACK="${QUICKSTART_PREPACK-"--prepack"}"

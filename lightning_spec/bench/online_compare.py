@@ -1,6 +1,6 @@
 """Every OnlineSpec strategy on the same request stream, one after another, and their table.
 
-For issue 17's comparison: one config (configs/online/ogd_mixed_cpu.yaml) gives the stream, the target,
+One config (configs/online/ogd_mixed_cpu.yaml) gives the stream, the target,
 the drafter and the tree; each strategy serves the very same requests in the same rounds from
 the same starting drafter (alone on the machine, in turn). Then, per strategy: prequential mean
 tau with a 95% bootstrap interval over requests, the paired per-request difference to `frozen`

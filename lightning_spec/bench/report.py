@@ -4,7 +4,7 @@
 category or overall, method): tau with a 95% bootstrap interval, per-depth acceptance, tokens
 per second, speedups against each baseline (median of per-prompt ratios and ratio of totals,
 with intervals), greedy mismatches and where the time went. `to_markdown` is the table a
-BENCHMARKS.md section pastes; `dumps_result` / `write_outputs` write the raw JSON beside it.
+results page or a study's log pastes; `dumps_result` / `write_outputs` write the raw JSON beside it.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def _speedup_cell(row: dict[str, Any], baseline: str) -> str:
 
 
 def to_markdown(result: dict[str, Any]) -> str:
-    """The table a BENCHMARKS.md section pastes, with its command-independent context."""
+    """The table a results page or a study's log pastes, with its command-independent context."""
     config = result["config"]
     machine = config.get("machine", {})
     lines = [
@@ -317,7 +317,7 @@ def _step_ms(row: dict[str, Any]) -> str:
 
 def dumps_result(result: dict[str, Any]) -> str:
     """Strict JSON (no NaN): config and rows indented, one line per prompt so the raw file
-    stays small enough to commit next to BENCHMARKS.md and diffs line up by prompt."""
+    stays small enough to commit next to a study's log and diffs line up by prompt."""
     result = clean_floats(result)
     parts = []
     for key, value in result.items():

@@ -411,7 +411,7 @@ def _is_auto(tree: str) -> bool:
 
 AUTO_LOOKUP = "+lookup:3,8,0.05"
 """What ``--tree auto`` adds to the calibrated tree: the prompt-lookup branch that learns its
-own depth (T = 0 only; BENCHMARKS.md section 6: faster on MT-Bench and HumanEval alike)."""
+own depth (T = 0 only; experiments/cpu-speed/LOG.md: faster on MT-Bench and HumanEval alike)."""
 
 
 def _resolve_auto(tree: str, calibrated: str, *, lookup: bool) -> str:

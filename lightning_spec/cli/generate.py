@@ -7,7 +7,7 @@ target's own greedy decode (at T=0 it must).
 
 ``--drafter none`` decodes without a drafter, with our plain KV-cache loop; with ``--prepack``
 (CPU fp32: the target's linear weights prepacked for oneDNN, `models.packed`) that alone is a
-speedup over the default path, reported separately in BENCHMARKS.md.
+speedup over the default path, reported separately in RESULTS.md.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def summary_lines(result: dict[str, Any], run_dir: Path, drafter_dir: Path) -> l
         + (f"; HF prompt lookup {_fmt(lookup['tau'])}" if lookup and lookup.get("tau") else ""),
         f"  wall-clock speedup vs HF generate {_fmt(spec.get('speedup_vs_hf_generate'))}, "
         f"vs HF prompt lookup {_fmt(spec.get('speedup_vs_hf_prompt_lookup'))} "
-        "(median of per-prompt ratios over this short run; BENCHMARKS.md section 6 has the "
+        "(median of per-prompt ratios over this short run; RESULTS.md has the "
         "40-prompt figures)",
         f"  greedy mismatches against the target's own output: {spec['mismatches']}",
     ]

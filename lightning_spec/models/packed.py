@@ -4,7 +4,7 @@ On this CPU class (AVX2/FMA, 2 cores) the default `F.linear` path pays a large p
 as a matmul has more than one row: one SmolLM2 layer's seven projections take 0.44 ms for 1 row
 and 0.86 ms for 4, against 0.27 / 0.32 ms with the same fp32 weights reordered once into
 oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, the op PyTorch's own
-inductor uses on CPU); 32 rows: 2.6 vs 1.3 ms (BENCHMARKS.md). Speculative decoding verifies
+inductor uses on CPU); 32 rows: 2.6 vs 1.3 ms (experiments/cpu-speed/LOG.md). Speculative decoding verifies
 several tokens per target forward, so this is the lever that makes it pay on a CPU.
 
 The weights stay fp32 and the maths is the same GEMM with another summation order, so logits

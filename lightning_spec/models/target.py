@@ -25,7 +25,7 @@ TREE_ATTENTION_IMPL = "lightning_spec_tree"
 
 # Cached tokens below which a GPU tree forward takes SDPA with the additive mask rather than the
 # Triton tree kernel: below ~1k both take tens of microseconds and SDPA's one launch is cheaper
-# (measured on two H200 hosts, BENCHMARKS.md section 3). Under the interpreter (CPU) the kernel
+# (measured on two H200 hosts, experiments/cpu-speed/LOG.md). Under the interpreter (CPU) the kernel
 # always runs, so the CPU tests exercise it.
 KERNEL_MIN_CACHE_ON_GPU = 1024
 

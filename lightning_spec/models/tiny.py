@@ -59,7 +59,7 @@ def tiny_config(
 
 
 # ------------------------------------------------------------------------------- stress targets
-# The properties real targets of other families have and SmolLM2 lacks (issue 19): hidden states
+# The properties real targets of other families have and SmolLM2 lacks: hidden states
 # past fp16's range, no chat template (a base model), a 128k-262k vocabulary. Built in code so
 # tests and the vocabulary-memory bench reproduce them without a download.
 

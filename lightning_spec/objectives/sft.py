@@ -230,7 +230,7 @@ class SFT(Objective):
                 llama.cpp serve (docs/llamacpp.md, docs/vllm.md).
             prepack_target: CPU fp32: prepack the frozen target's linear weights for oneDNN
                 (features within ~1e-6 of the unpacked target's, about twice the feature tokens
-                a second on the CPUs measured; BENCHMARKS.md section 34). Where it cannot run
+                a second on the CPUs measured; RESULTS.md, costs and pace). Where it cannot run
                 (GPU, bf16) a warning says why and the target runs unpacked.
         """
         if drafter_type not in ("eagle3", "hydra", "dflash"):

@@ -4,7 +4,7 @@ Online learning sees each request once, after serving it. Its ceiling on a strea
 fitted with hindsight: the same learner (the configured strategy's update) run over the first
 `fraction` of the stream's requests for several epochs, then frozen and served on the rest. Its
 tau on those last requests, beside the online strategies' tau on the same requests, says what
-share of the stream's learnable signal online learning captured (issue 34; the reference's
+share of the stream's learnable signal online learning captured (the reference's
 offline counterpart of its online rounds).
 
 At T = 0 only (the requests are replayed over their cached greedy answers,

@@ -1,7 +1,7 @@
 """Is a request stream inside the drafter's training set? An exact and an n-gram check.
 
-Online learning is judged on requests the drafter never trained on (issue 34: "the stream's
-prompts are never in the drafter's training set; check it, and say how"). A stream built from
+Online learning is judged on requests the drafter never trained on: a stream's prompts
+must not be in the drafter's training set, and that is checked, not assumed. A stream built from
 the items *after* a warm start's (``skip: 800``) is disjoint by construction only if nothing
 shifted the two selections (a prompt filtered out of the stream for its length moves every later
 item), and a ShareGPT-trained drafter may have seen a standard-library docstring that somebody

@@ -33,7 +33,7 @@ Strategies share one interface (`OnlineStrategy`): `drafter` is what the next ro
   with the DPO loss against the drafter as it was at the start of the round (beta = 0.1).
 
 Why one file (~650 lines): the strategies are one family behind one protocol, compared row by
-row in one table (BENCHMARKS 29); their shared pieces (the round's gradient, the served loss)
+row in one table (experiments/onlinespec/LOG.md); their shared pieces (the round's gradient, the served loss)
 sit beside them, the loss itself in `losses.py` and the serving loop in `loop.py`.
 """
 

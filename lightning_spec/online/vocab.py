@@ -1,4 +1,4 @@
-"""A draft vocabulary that follows the served stream (OnlineSpec, issue 34 deliver 3).
+"""A draft vocabulary that follows the served stream (OnlineSpec).
 
 A reduced draft vocabulary is fixed when the drafter is built, from the text it trained on. Served
 on a domain that text did not cover (a chat drafter on code), a sixth of the committed tokens can

@@ -6,7 +6,7 @@ GPU teams deploy drafters with vLLM; on this project's CPUs its community CPU bu
 the project's environment: it lives in ``$LIGHTNING_SPEC_CACHE/vllm/<version>/venv`` and is
 driven through a subprocess (`lightning_spec.bench.vllm`), like llama.cpp's binaries.
 
-What a new user hits, fixed once here (issue 56):
+What a new user hits, fixed once here:
 - pip also pulls CUDA builds of torchvision, torchaudio and torchcodec, and ``import vllm`` then
   fails (``operator torchvision::nms does not exist``): they are uninstalled (vLLM's text path
   needs none of them).

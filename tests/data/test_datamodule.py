@@ -510,7 +510,7 @@ def test_sharegpt_with_smollm2_masks_assistant_tokens_only(tmp_path: Path) -> No
 
 
 # --------------------------------------------------------------------------------------------
-# Cache keys by content (issue 20)
+# Cache keys by content
 # --------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Targets unlike SmolLM2 (issue 19), built in code: on the llama, qwen3, mistral and gemma3
+"""Targets unlike SmolLM2, built in code: on the llama, qwen3, mistral and gemma3
 families, hidden states past fp16's range (2e5), no chat template (a base model), and a
 256k-token vocabulary, all at once. The quickstart configuration with only the target (and the
 data, which must be in the target's words) changed trains with finite losses on each, saves a

@@ -208,7 +208,7 @@ def test_gto_at_temperature_one_samples_with_the_decoders_verifier(target: Targe
     assert Eagle3Drafter is type(module.reference)
 
 
-# ------------------------------------------------------------------ issue 36: T = 0 defaults
+# ------------------------------------------------------------------ T = 0 defaults
 def _greedy_text_batch(target: TargetModel, rows: int = 2, length: int = 48) -> dict:
     """The target's own greedy continuations of random prompts, with the cached teacher-forced
     pass a `regenerated` feature store would carry (features, final hidden states, argmax)."""
@@ -312,7 +312,7 @@ def test_gto_only_steps_move_the_surrogate_in_the_direction_of_their_sign(
     """The mechanism's plumbing: GTO-only steps (token loss weight 0) on fixed prefixes lower
     L_GTO there with omega > 0 and raise it with omega < 0 (no sign or stop-gradient slip).
     Whether that raises the tree reward is measured, not assumed: experiments/gto-draft-opd/scripts/gto_sign_test.py
-    (BENCHMARKS.md section 18: on this tiny model it lowers it, whatever the sign)."""
+    (experiments/gto-draft-opd/LOG.md: on this tiny model it lowers it, whatever the sign)."""
     batch = _greedy_text_batch(target)
     drafter = Eagle3Drafter.from_target(target, intermediate_size=64)
     greedy_fit(target, drafter, [batch["input_ids"][i, :6].tolist() for i in range(2)], length=48, steps=30)

@@ -1,5 +1,5 @@
 """`lightning-spec fit --ckpt_path last` continues a KILLED run and ends where an uninterrupted
-run ends (issue 4): same data order (the data module's position is in the checkpoint), same
+run ends: same data order (the data module's position is in the checkpoint), same
 optimizer and schedule state, so the same final drafter weights.
 
 Three real `lightning-spec fit` processes on a tiny target: A runs straight through; B is
