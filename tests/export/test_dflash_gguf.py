@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_spec.tools.llamacpp import convert_dflash
 from lightning_spec.models.drafters.dflash import DFlashDrafter
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
+from lightning_spec.tools.llamacpp import convert_dflash
 
 
 @pytest.fixture(scope="module")
