@@ -4,7 +4,7 @@ A module that moved leaves a shim at its old path: importing the shim warns (Dep
 and hands over the new module itself (`sys.modules` points the old name at it), so every name,
 private ones included, and every class path a saved config or checkpoint stores still resolves
 to the same object. A renamed class stays reachable under its old name through the module's
-``__getattr__`` (`renamed`), which warns on each access. `tests/test_deprecated_paths.py` checks
+``__getattr__`` (`renamed`), which warns on each access. `tests/repo/test_deprecated_paths.py` checks
 each shim.
 """
 

@@ -1,5 +1,5 @@
 """A callback that sends this process SIGTERM at a given training step: the signal a scheduler
-sends, delivered where the test wants it (tests/test_configs.py)."""
+sends, delivered where the test wants it (tests/repo/test_configs.py)."""
 
 from __future__ import annotations
 

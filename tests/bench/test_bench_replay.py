@@ -125,7 +125,7 @@ def test_a_seeded_cache_replays_without_generating_and_cuts_a_wrong_answer(
     from tests.conftest import load_module
 
     seeder = load_module(
-        Path(__file__).parents[1] / "experiments/drafter-data/scripts/seed_replay_cache.py", "seeder"
+        Path(__file__).parents[2] / "experiments/drafter-data/scripts/seed_replay_cache.py", "seeder"
     )
     drafters = {"eagle": Eagle3Drafter.from_target(target, seed=3)}
     datasets = {"toy": _prompts(3, seed=5)}

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _EngineReached(Exception):

@@ -10,7 +10,7 @@ import yaml
 
 from lightning_spec.overlays import composed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

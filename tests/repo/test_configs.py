@@ -18,7 +18,7 @@ import yaml
 
 from lightning_spec.overlays import composed, overlay_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "configs").rglob("*.yaml"))
 ARMS = sorted(ROOT.glob("experiments/*/configs/*.yaml"))
 
