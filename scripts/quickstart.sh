@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target (SmolLM2-135M-Instruct), from a fresh machine:
 # set up, fetch the model and data, train an EAGLE-3 drafter
-# (configs/train/eagle3_quickstart_cpu.yaml, about 7 minutes on 2 CPU cores), bench it on 20
+# (configs/train/eagle3_quickstart_cpu.yaml: a 6-minute budget for the feature cache and
+# training; about 13 minutes end to end on 2 CPU cores from an empty cache), bench it on 20
 # MT-Bench prompts against HF greedy `generate` (as loaded and on the same optimised target) and
 # HF prompt lookup, and print tau, speedup, the MLflow run and the drafter folder.
 set -euo pipefail
@@ -9,8 +10,8 @@ cd "$(dirname "$0")/.."
 RUN=runs/quickstart
 # The tree is chosen for this machine (--tree auto: measured cost curve x the drafter's measured
 # acceptance) and the target's and drafter's linear weights are prepacked for oneDNN, the CPU
-# fast path (RESULTS.md, and experiments/cpu-speed/LOG.md for the profile); QUICKSTART_TREE=dynamic:6,10,32 QUICKSTART_PREPACK= for
-# the earlier default.
+# fast path (experiments/cpu-speed/LOG.md has the profile); QUICKSTART_TREE=dynamic:6,10,32
+# QUICKSTART_PREPACK= for the earlier default.
 TREE="${QUICKSTART_TREE:-auto}"
 PREPACK="${QUICKSTART_PREPACK-"--prepack"}"
 # HF generate as a user runs it and, when prepacked, HF generate on the same optimised target.

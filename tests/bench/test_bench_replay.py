@@ -81,7 +81,7 @@ def test_replayed_steps_equal_the_live_decode(target: TargetModel, tmp_path: Pat
 
 def test_cli_replay(tmp_path: Path) -> None:
     """`bench --replay` writes the rows and per-prompt steps; refuses sampling and lookup."""
-    from tests.test_bench import _tiny_folder
+    from tests.bench.test_bench import _tiny_folder
 
     folder = _tiny_folder(tmp_path / "tiny")
     data = tmp_path / "prompts.jsonl"
