@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SafetyGuard",
+    "replay_captured",
     "replay_request",
     "load_feedback",
     "matches_greedy",
@@ -315,6 +316,26 @@ def replay_request(
         target, drafter, policy, prompt, answer, text=text, keep_labels=keep_labels
     )
     generation.features = text.features[0, : ids.shape[1] - 1]
+    return generation
+
+
+def replay_captured(
+    target: Any, drafter: Any, policy: TreePolicy, captured: Any, *, keep_labels: int = 0
+) -> Any:
+    """`replay_request` for a request whose target rows the serving engine kept
+    (`online.capture.CapturedRequest`): the same generation, features and labels, with no
+    target forward (the rows' logits come from ``lm_head`` inside the replay's greedy check).
+    The text is the tokens the engine computed: the last committed token, whose row the engine
+    never computed, is left out."""
+    from lightning_spec.decoding.replay import replay_greedy
+
+    text = captured.text_pass()
+    tokens = captured.computed
+    generation = replay_greedy(
+        target, drafter, policy, tokens[: captured.prompt_len], tokens[captured.prompt_len :],
+        text=text, keep_labels=keep_labels,
+    )  # fmt: skip
+    generation.features = text.features[0, : len(tokens) - 1]
     return generation
 
 
