@@ -1,6 +1,14 @@
-"""`lightning-spec serve`: an OpenAI-style completion endpoint that learns online.
+"""`lightning-spec serve`: serve a drafter over HTTP, in our decoder or behind `vllm serve`.
 
-Loads the target and a drafter, wraps them in `online.http.OnlineServer` with an online
+``--engine vllm`` starts the real ``vllm serve`` (the OpenAI chat and completions API, streaming,
+concurrent clients) with the drafter as its speculative model and our plugin
+(`online.vllm_server`): ``--spool DIR`` keeps the target's features of every finished request
+there for a learner, ``--push-root DIR`` accepts drafter pushes from that folder
+(``POST /lightning-spec/push``). It binds 127.0.0.1 unless ``--host`` says otherwise.
+
+    lightning-spec serve --engine vllm --drafter runs/quickstart/drafter/best --port 8000
+
+The default engine (``decoder``) loads the target and a drafter, wraps them in `online.http.OnlineServer` with an online
 strategy (`online.strategies`: frozen, ogd, optimistic, ensemble, osd, dpo) and serves it with
 uvicorn. Every `--round-size` greedy requests the drafter is updated (charged to serving: the
 next request waits) and published as a drafter folder under `--out-dir/drafters/`.
@@ -34,6 +42,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    vllm = parser.add_argument_group("--engine vllm")
+    parser.add_argument("--engine", choices=("decoder", "vllm"), default="decoder",
+                        help="decoder: our decoder, learning online (--strategy); vllm: vllm serve")  # fmt: skip
+    vllm.add_argument("--k", type=int, default=3, help="drafts per step")
+    vllm.add_argument("--method", default="eagle3", choices=("eagle3", "dflash", "ngram"))
+    vllm.add_argument("--spool", default=None, help="capture served requests' features here")
+    vllm.add_argument("--push-root", default=None, help="accept pushes of drafters under here")
+    vllm.add_argument("--max-model-len", type=int, default=2048)
+    vllm.add_argument(
+        "--vllm-python", default=None, help="another vLLM's interpreter (a GPU build)"
+    )
     return parser
 
 
@@ -45,6 +64,9 @@ def resolve_paths(args: argparse.Namespace) -> argparse.Namespace:
     if args.drafter not in ("random", "self") and not args.drafter.startswith("bigram:"):
         args.drafter = str(Path(args.drafter).expanduser().resolve())
     args.out_dir = str(Path(args.out_dir).expanduser().resolve())
+    for name in ("spool", "push_root"):
+        if getattr(args, name, None):
+            setattr(args, name, str(Path(getattr(args, name)).expanduser().resolve()))
     return args
 
 
@@ -73,8 +95,46 @@ def build_server(args: argparse.Namespace):  # noqa: ANN201 - OnlineServer (lazy
     )
 
 
+def serve_vllm(args: argparse.Namespace) -> int:
+    """``vllm serve`` with the drafter and our plugin, until interrupted (Ctrl-C or SIGTERM)."""
+    import signal
+    import time
+
+    from lightning_spec.bench.engines import engine_drafter
+    from lightning_spec.bench.vllm import target_folder
+    from lightning_spec.online.vllm_server import VllmServer, serve_command
+    from lightning_spec.tools.vllm import VllmEnv, ensure_vllm
+
+    drafter = None if args.method == "ngram" else engine_drafter(args.drafter, "vLLM")[0]
+    env = VllmEnv.external(args.vllm_python) if args.vllm_python else ensure_vllm()
+    command = serve_command(
+        env, target_folder(args.target), drafter, method=args.method, k=args.k, host=args.host,
+        port=args.port, max_model_len=args.max_model_len,
+    )  # fmt: skip
+    out = Path(args.out_dir)
+    print(f"starting vllm serve on {args.host}:{args.port} (log: {out / 'vllm.log'})", flush=True)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    with VllmServer(env, command, log=out / "vllm.log", workdir=out, spool=args.spool,
+                    push_root=args.push_root) as server:  # fmt: skip
+        print(f"ready: {server.url}/v1 (status: {server.url}/lightning-spec/status)", flush=True)
+        try:
+            while not stop["now"] and server.process.poll() is None:
+                time.sleep(1.0)
+        except KeyboardInterrupt:
+            pass
+        code = server.process.poll()
+    return 0 if code is None else int(code or 1)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = resolve_paths(_parser().parse_args(argv))
+    parser = _parser()
+    args = resolve_paths(parser.parse_args(argv))
+    if args.engine == "vllm":
+        try:
+            return serve_vllm(args)
+        except ValueError as error:  # a bad drafter or target folder, before vLLM starts
+            parser.error(str(error))
     import uvicorn
 
     from lightning_spec.online.http import make_app

