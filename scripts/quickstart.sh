@@ -2,7 +2,7 @@
 # The main job on the embedded default target (SmolLM2-135M-Instruct), from a fresh machine:
 # set up, fetch the model and data, train an EAGLE-3 drafter
 # (configs/train/eagle3_quickstart_cpu.yaml: a 6-minute budget for the feature cache and
-# training; about 13 minutes end to end on 2 CPU cores from an empty cache), bench it on 20
+# training; about 12 minutes end to end on 2 CPU cores from an empty cache), bench it on 20
 # MT-Bench prompts against HF greedy `generate` (as loaded and on the same optimised target) and
 # HF prompt lookup, and print tau, speedup, the MLflow run and the drafter folder.
 set -euo pipefail
