@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="decoder: our decoder, learning online (--strategy); vllm: vllm serve")  # fmt: skip
     vllm.add_argument("--k", type=int, default=3, help="drafts per step")
     vllm.add_argument("--method", default="eagle3", choices=("eagle3", "dflash", "ngram"))
+    vllm.add_argument("--learn", default=None, metavar="CONFIG",
+                      help="keep the drafter learning from what it serves: an online config "
+                      "(configs/online/; its strategy, round_size and tree)")  # fmt: skip
     vllm.add_argument("--spool", default=None, help="capture served requests' features here")
     vllm.add_argument("--push-root", default=None, help="accept pushes of drafters under here")
     vllm.add_argument("--max-model-len", type=int, default=2048)
@@ -112,19 +115,86 @@ def serve_vllm(args: argparse.Namespace) -> int:
         port=args.port, max_model_len=args.max_model_len,
     )  # fmt: skip
     out = Path(args.out_dir)
+    learn = _learn_config(args.learn) if args.learn else None
+    if learn is not None:  # the learner reads the spool and pushes from its own folder
+        args.spool = args.spool or str(out / "spool")
+        args.push_root = str(out / "learner")
     print(f"starting vllm serve on {args.host}:{args.port} (log: {out / 'vllm.log'})", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     with VllmServer(env, command, log=out / "vllm.log", workdir=out, spool=args.spool,
                     push_root=args.push_root) as server:  # fmt: skip
         print(f"ready: {server.url}/v1 (status: {server.url}/lightning-spec/status)", flush=True)
+
+        def done() -> bool:
+            return stop["now"] or server.process.poll() is not None
+
         try:
-            while not stop["now"] and server.process.poll() is None:
+            if learn is not None:
+                _run_learner(args, learn, drafter, server.url, done)
+            while not done():
                 time.sleep(1.0)
         except KeyboardInterrupt:
             pass
         code = server.process.poll()
     return 0 if code is None else int(code or 1)
+
+
+LEARN_KEYS = {"strategy", "round_size", "tree", "rollback_margin", "keep_drafters", "keep_learned"}
+
+
+def _learn_config(path: str) -> dict:
+    """The learner's config, checked before the server starts (fields named on error): an
+    `online` config (configs/online/) whose strategy, round_size and tree it takes, the stream and
+    engine fields being the server's business here, plus rollback_margin and keep_drafters."""
+    import yaml
+
+    from lightning_spec.cli.online import KEYS
+
+    try:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"cannot read the learner config {path}: {error}") from error
+    known = LEARN_KEYS | KEYS
+    if not isinstance(config, dict) or set(config) - known:
+        raise ValueError(
+            f"{path}: unknown keys {sorted(set(config) - known)}; known: {sorted(known)}"
+        )
+    strategy = config.get("strategy")
+    if not isinstance(strategy, dict) or not isinstance(strategy.get("name"), str):
+        raise ValueError(
+            f"{path}: strategy must be a mapping with a name (e.g. {{name: ogd, lr: 2.0e-4}})"
+        )
+    if int(config.get("round_size", 40)) < 1:
+        raise ValueError(f"{path}: round_size must be >= 1")
+    return config
+
+
+def _run_learner(args: argparse.Namespace, config: dict, drafter: Path, url: str, done) -> None:  # noqa: ANN001
+    """The learner beside the server (`online.learner`), until `done()`."""
+    import torch
+
+    from lightning_spec import specs
+    from lightning_spec.cli.online import strategy_options
+    from lightning_spec.online.learner import LearnerSettings, http_push, run_learner
+    from lightning_spec.online.spool import SpoolReader
+    from lightning_spec.online.strategies import make_strategy
+
+    torch.set_num_threads(args.threads)
+    target = specs.resolve_target(args.target, "fp32")
+    strategy = make_strategy(config["strategy"]["name"], specs.resolve_drafter(str(drafter), target),
+                             **strategy_options(config, target))  # fmt: skip
+    settings = LearnerSettings(
+        Path(args.push_root), round_size=int(config.get("round_size", 40)),
+        rollback_margin=float(config.get("rollback_margin", 0.1)),
+        keep_drafters=int(config.get("keep_drafters", 3)),
+        keep_learned=bool(config.get("keep_learned", False)),
+    )  # fmt: skip
+    policy = specs.resolve_tree(str(config.get("tree", f"chain:{args.k}")))
+    print(f"learning: {strategy.name}, rounds of {settings.round_size} served requests", flush=True)
+    run_learner(
+        target, strategy, policy, SpoolReader(args.spool), http_push(url), settings, stop=done
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SafetyGuard",
+    "guarded_update",
     "replay_captured",
     "replay_request",
     "load_feedback",
@@ -106,13 +107,15 @@ class SafetyGuard:
         return committed / verifications if verifications else float("nan")
 
 
-def _guarded_update(
+def guarded_update(
     target: Any,
     strategy: OnlineStrategy,
     policy: TreePolicy,
     generations: list[Any],
     guard: SafetyGuard | None,
 ) -> dict[str, Any]:
+    """The strategy's update from `generations`, rolled back when `guard`'s probe says it cost
+    acceptance (see `SafetyGuard`)."""
     if guard is None or strategy.name == "frozen":  # nothing to roll back: no probe to pay for
         return strategy.update(generations)
     tic = time.perf_counter()
@@ -244,7 +247,7 @@ def run_stream(
                 update = {"online_loss": float("nan"), "update_seconds": waited,
                           **{f"beside_{k}": v for k, v in previous.items()}}  # fmt: skip
             elif due:
-                update = _guarded_update(target, strategy, policy, pending, guard)
+                update = guarded_update(target, strategy, policy, pending, guard)
                 pending = []
                 if engine is not None and strategy.name != "frozen":
                     update = {**update, **_publish(engine, strategy, out, served)}

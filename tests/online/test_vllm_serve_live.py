@@ -108,3 +108,58 @@ def test_vllm_serve_captures_features_and_takes_pushes(tmp_path: Path, engine_dr
         assert server.get("/lightning-spec/status")["served_sha256"] == sha  # unchanged
         again = [_complete(server.url, p) for p in prompts]
         assert again == replies  # lossless with the pushed drafter
+
+
+def test_serve_learn_pushes_what_it_learned_and_replies_stay_greedy(
+    tmp_path: Path, engine_drafter
+) -> None:  # noqa: ANN001
+    """`lightning-spec serve --engine vllm --learn`: a round of served requests is learned from
+    the captured rows (no target pass), the new drafter is pushed and served, replies do not
+    change, and SIGTERM stops server and learner cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from lightning_spec.tools.vllm import VllmMissing, find_vllm
+
+    try:
+        find_vllm()
+    except VllmMissing as error:
+        pytest.skip(str(error))
+    fitted = engine_drafter(NEW_TOKENS)
+    fitted["drafter"].save_pretrained(tmp_path / "drafter")
+    config = tmp_path / "learn.yaml"
+    config.write_text(
+        "strategy: {name: ogd, lr: 1.0e-3, epochs: 1, minibatch: 2}\nround_size: 4\ntree: chain:3\n"
+    )
+    port = _free_port()
+    command = [sys.executable, "-m", "lightning_spec.cli", "serve", "--engine", "vllm", "--drafter",
+               str(tmp_path / "drafter"), "--learn", str(config), "--out-dir", str(tmp_path / "out"),
+               "--port", str(port)]  # fmt: skip
+    with open(tmp_path / "serve.log", "w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while (
+            "learning:" not in (tmp_path / "serve.log").read_text() and time.monotonic() < deadline
+        ):
+            assert process.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+        first = [_complete(url, p) for p in fitted["prompts"]]
+        rounds = tmp_path / "out" / "learner" / "rounds.jsonl"
+        deadline = time.monotonic() + 300
+        while not rounds.is_file() and time.monotonic() < deadline:
+            time.sleep(1)
+        row = json.loads(rounds.read_text().splitlines()[0])
+        assert row["captured"] == 4 and row.get("fallback", 0) == 0 and row["push_failed"] == 0.0
+        with urllib.request.urlopen(url + "/lightning-spec/status", timeout=30) as answer:
+            assert json.loads(answer.read())["served_sha256"] == row["served_sha256"]
+        assert [_complete(url, p) for p in fitted["prompts"]] == first
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        code = process.wait(timeout=120)
+    assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]

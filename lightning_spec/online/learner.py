@@ -1,0 +1,282 @@
+"""The learner behind a running server: rounds of served traffic from the spool, an update, a
+push, a checkpoint.
+
+A round moves through four stages, each a function of the round so far:
+
+1. `take`: the next `round_size` finished requests from the spool (`online.spool`), in the
+   order the server finished them.
+2. `feedback`: each request replayed with the drafter that served it, from the target rows the
+   server captured (`online.loop.replay_captured`: no target forward). A request captured
+   without rows, or whose rows fail the replay's greedy check, falls back to a target pass over
+   its text (`online.loop.replay_request`), counted as ``fallback``; one whose text is not the
+   target's greedy text (sampled at T > 0) or too short to learn from is skipped, counted.
+3. `update`: the strategy learns from the round (`online.loop.guarded_update`).
+4. `publish`: the new drafter is written under ``out_dir/drafters/`` (atomically) and pushed to
+   the server with its sha256; a refused push leaves the previous drafter serving, and the
+   learner then replays the next round with that one.
+
+Before the update, the round's served acceptance (tau from the engine's own accepted counts) is
+compared with the round before the last push: a pushed drafter whose traffic accepts less by
+more than `rollback_margin` is rolled back (the previous drafter pushed again, the strategy's
+state from before that update restored). After each round the checkpoint (``learner.pt``:
+strategy state, the drafter served, the names of the spool files learned from) is written before
+those files are marked done, so a learner killed anywhere resumes without learning a request
+twice or losing one; the server serves the last good drafter meanwhile.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_spec.decoding.build import TreePolicy
+from lightning_spec.decoding.replay import ReplayMismatch
+from lightning_spec.io import atomic_folder, atomic_path, sha256_file
+from lightning_spec.online.engines import PushFailed
+from lightning_spec.online.loop import guarded_update, replay_captured, replay_request
+from lightning_spec.online.spool import SpoolEntry, SpoolReader
+from lightning_spec.online.strategies import OnlineStrategy
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LearnerSettings", "http_push", "round_feedback", "run_learner", "served_tau"]
+
+CHECKPOINT = "learner.pt"
+ROUNDS = "rounds.jsonl"
+Push = Callable[[Path, str], dict[str, Any]]
+
+
+@dataclass
+class LearnerSettings:
+    out_dir: Path
+    round_size: int = 40
+    rollback_margin: float = 0.1
+    """A pushed drafter whose next round's served tau is this much (relative) below the round
+    before the push is rolled back."""
+    poll_seconds: float = 1.0
+    keep_drafters: int = 3
+    keep_learned: bool = False
+    """Keep the spool files learned from (in ``spool/done/``) instead of deleting them."""
+    max_rounds: int | None = None
+
+
+def http_push(url: str, timeout: float = 600.0) -> Push:
+    """A `Push` through the server's ``POST /lightning-spec/push`` (`online.vllm_routes`)."""
+
+    def push(folder: Path, sha256: str) -> dict[str, Any]:
+        body = json.dumps({"folder": str(folder), "sha256": sha256}).encode()
+        request = urllib.request.Request(f"{url}/lightning-spec/push", data=body, method="POST",
+                                         headers={"content-type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                return json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            raise PushFailed(f"{error.code}: {error.read().decode(errors='replace')}") from error
+        except (urllib.error.URLError, OSError) as error:
+            raise PushFailed(f"the server did not answer: {error}") from error
+
+    return push
+
+
+def served_tau(entries: list[SpoolEntry]) -> float:
+    """Tokens committed per verification step over the round, from the engine's own counts."""
+    steps = sum(len(e.request.accepted) for e in entries)
+    return (
+        (sum(sum(e.request.accepted) for e in entries) + steps) / steps if steps else float("nan")
+    )
+
+
+def round_feedback(
+    target: Any, drafter: Any, policy: TreePolicy, entries: list[SpoolEntry], labels: int
+) -> tuple[list[Any], Counter[str]]:
+    """The round's generations (stage 2 of the module docstring) and what each request took."""
+    generations, counts = [], Counter()
+    for entry in entries:
+        request = entry.request
+        prompt, answer = (
+            request.computed[: request.prompt_len],
+            request.computed[request.prompt_len :],
+        )
+        if not answer:
+            counts["skipped_too_short"] += 1
+            continue
+        try:
+            generations.append(
+                replay_captured(target, drafter, policy, request, keep_labels=labels)
+            )
+            counts["captured"] += 1
+            continue
+        except (
+            ValueError,
+            ReplayMismatch,
+        ) as error:  # no rows kept, or rows failing the greedy check
+            log.warning(
+                "%s: captured rows unusable (%s); a target pass instead", request.request_id, error
+            )
+        try:
+            generations.append(
+                replay_request(target, drafter, policy, prompt, answer, keep_labels=labels)
+            )
+            counts["fallback"] += 1
+        except (
+            ValueError,
+            ReplayMismatch,
+        ):  # not the target's greedy text: nothing to replay at T = 0
+            counts["skipped_not_greedy"] += 1
+    return generations, counts
+
+
+def run_learner(
+    target: Any,
+    strategy: OnlineStrategy,
+    policy: TreePolicy,
+    reader: SpoolReader,
+    push: Push,
+    settings: LearnerSettings,
+    *,
+    stop: Callable[[], bool] = lambda: False,
+) -> list[dict[str, Any]]:
+    """Learn from the spool round after round until `stop()` (or `max_rounds`); returns the
+    rounds' rows (also appended to ``out_dir/rounds.jsonl``)."""
+    out = Path(settings.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = _resume(out, strategy, reader, settings.keep_learned)
+    served = copy.deepcopy(strategy.drafter)  # what the server serves (a refused push keeps it)
+    if state["served_state"] is not None:
+        served.load_state_dict(state["served_state"])
+    rows: list[dict[str, Any]] = []
+    while not stop() and (settings.max_rounds is None or len(rows) < settings.max_rounds):
+        entries = reader.take(limit=settings.round_size)
+        if len(entries) < settings.round_size:
+            time.sleep(settings.poll_seconds)
+            continue
+        index = state["round"] + 1
+        row: dict[str, Any] = {
+            "round": index,
+            "requests": len(entries),
+            "served_tau": served_tau(entries),
+        }
+        if _maybe_roll_back(state, strategy, served, push, row, settings.rollback_margin):
+            row["learned"] = 0  # served by the drafter just rolled back: not learned from
+        else:
+            _learn(target, strategy, policy, served, entries, push, out, index, state, row)
+        state.update(round=index, served_state=served.state_dict())
+        _checkpoint(out, strategy, state, [e.path.name for e in entries])
+        reader.done(entries, keep=settings.keep_learned)
+        _prune(out, settings.keep_drafters, state)
+        rows.append(row)
+        with open(out / ROUNDS, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        log.info("learner round %d: %d requests, served tau %.3f, learned from %d", index,
+                 len(entries), row["served_tau"], row.get("learned", 0))  # fmt: skip
+    return rows
+
+
+def _learn(target: Any, strategy: OnlineStrategy, policy: TreePolicy, served: Any,
+           entries: list[SpoolEntry], push: Push, out: Path, index: int, state: dict[str, Any],
+           row: dict[str, Any]) -> None:  # fmt: skip
+    """Stages 2-4 of the module docstring for one round; `row` gets their counts and seconds."""
+    tic = time.perf_counter()
+    generations, counts = round_feedback(target, served, policy, entries, strategy.label_top_k)
+    row.update(counts, learned=len(generations), feedback_seconds=time.perf_counter() - tic)
+    if not generations:
+        return
+    before_update = copy.deepcopy(strategy.state_dict())
+    tic = time.perf_counter()
+    update = guarded_update(target, strategy, policy, generations, None)
+    row.update({k: v for k, v in update.items() if isinstance(v, (int, float))},
+               step_seconds=time.perf_counter() - tic)  # fmt: skip
+    if strategy.name == "frozen":
+        return
+    published = _publish(out, index, strategy, push, row)
+    if published is not None:
+        served.load_state_dict(strategy.drafter.state_dict())
+        state.update(previous=(state["served_folder"], before_update), served_folder=published,
+                     tau_before_push=row["served_tau"])  # fmt: skip
+
+
+def _maybe_roll_back(state: dict[str, Any], strategy: OnlineStrategy, served: Any, push: Push,
+                     row: dict[str, Any], margin: float) -> bool:  # fmt: skip
+    """Roll the last push back when this round (served by it) accepts less than the round
+    before it by more than `margin`; True when it did."""
+    before, previous = state.get("tau_before_push"), state.get("previous")
+    state["tau_before_push"] = None  # one verdict per push
+    if before is None or previous is None or not row["served_tau"] < before * (1 - margin):
+        return False
+    folder, strategy_state = previous
+    row["rollback"] = 1.0
+    log.warning("pushed drafter served tau %.3f against %.3f before it: rolling back",
+                row["served_tau"], before)  # fmt: skip
+    if folder is not None:
+        try:
+            push(Path(folder), sha256_file(Path(folder) / "model.safetensors"))
+        except PushFailed as error:
+            row["rollback_push_failed"] = 1.0
+            log.warning("rollback push refused: %s", error)
+            return True
+    strategy.load_state_dict(strategy_state)
+    served.load_state_dict(strategy.drafter.state_dict())
+    state.update(served_folder=folder, previous=None)
+    return True
+
+
+def _publish(
+    out: Path, index: int, strategy: OnlineStrategy, push: Push, row: dict[str, Any]
+) -> str | None:
+    tic = time.perf_counter()
+    folder = out / "drafters" / f"round-{index:05d}"
+    with atomic_folder(folder) as staging:
+        strategy.drafter.save_pretrained(staging)
+    sha = sha256_file(folder / "model.safetensors")
+    try:
+        push(folder, sha)
+    except PushFailed as error:
+        log.warning("push of round %d refused; the server keeps its drafter: %s", index, error)
+        row.update(push_failed=1.0, push_seconds=time.perf_counter() - tic)
+        return None
+    row.update(push_failed=0.0, push_seconds=time.perf_counter() - tic, served_sha256=sha)
+    return str(folder)
+
+
+def _checkpoint(
+    out: Path, strategy: OnlineStrategy, state: dict[str, Any], learned: list[str]
+) -> None:
+    with atomic_path(out / CHECKPOINT) as tmp:
+        torch.save({**state, "strategy": strategy.state_dict(), "learned": learned}, tmp)
+
+
+def _resume(out: Path, strategy: OnlineStrategy, reader: SpoolReader, keep: bool) -> dict[str, Any]:
+    state: dict[str, Any] = {"round": -1, "served_folder": None, "served_state": None,
+                             "previous": None, "tau_before_push": None}  # fmt: skip
+    path = out / CHECKPOINT
+    if not path.is_file():
+        return state
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    strategy.load_state_dict(saved.pop("strategy"))
+    learned = set(saved.pop("learned", []))
+    # killed between the checkpoint and marking its files done: mark them now
+    reader.done([SpoolEntry(p, None) for p in reader.pending() if p.name in learned], keep=keep)
+    state.update(saved)
+    log.info("learner resumed after round %d from %s", state["round"], path)
+    return state
+
+
+def _prune(out: Path, keep: int, state: dict[str, Any]) -> None:
+    """Keep the newest `keep` drafter folders and any the rollback may need."""
+    needed = {state.get("served_folder")} | {(state.get("previous") or (None,))[0]}
+    folders = sorted((out / "drafters").glob("round-*")) if (out / "drafters").is_dir() else []
+    for folder in folders[:-keep] if keep > 0 else folders:
+        if str(folder) not in needed:
+            shutil.rmtree(folder, ignore_errors=True)

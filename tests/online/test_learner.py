@@ -1,0 +1,160 @@
+"""online/learner.py on a tiny target, with our decoder standing in for the server: rounds from the
+spool are learned from the captured rows (a target pass only where rows are missing), each
+update is pushed with its sha256, a refused push leaves the served drafter, a drafter whose
+traffic accepts less is rolled back, and a learner killed between rounds resumes without
+learning a request twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_spec.decoding.build import parse_tree_spec
+from lightning_spec.decoding.engine import autoregressive_generate
+from lightning_spec.io import sha256_file
+from lightning_spec.models.target import TargetModel
+from lightning_spec.models.tiny import tiny_config
+from lightning_spec.online.capture import CapturedRequest
+from lightning_spec.online.engines import PushFailed
+from lightning_spec.online.learner import LearnerSettings, round_feedback, run_learner
+from lightning_spec.online.spool import SpoolReader, SpoolWriter
+from lightning_spec.online.strategies import make_strategy
+from tests.conftest import load_module
+
+HELPERS = load_module(
+    Path(__file__).parents[1] / "objectives" / "test_sft.py", "sft_helpers_learner"
+)
+POLICY = parse_tree_spec("chain:3")
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return TargetModel.from_config(tiny_config("llama", num_layers=2), seed=1)
+
+
+def _captured(
+    target: TargetModel, i: int, accepted: list[int], rows: bool = True
+) -> CapturedRequest:
+    """A request as the server would capture it: the target's greedy answer and its rows."""
+    prompt = torch.randint(3, 128, (6,), generator=torch.Generator().manual_seed(i)).tolist()
+    tokens = prompt + autoregressive_generate(target, prompt, 12, stop_on_eos=False)
+    with torch.no_grad():
+        out = target(torch.tensor([tokens[:-1]]), use_cache=False)
+    return CapturedRequest(f"r{i}", len(prompt), tokens, out.features[0], out.last_hidden[0] if rows else None,
+                           accepted=accepted, drafted=[3] * len(accepted))  # fmt: skip
+
+
+class _Server:
+    """Pushes recorded; `refuse` makes the next push fail as a server answering 409 does."""
+
+    def __init__(self) -> None:
+        self.pushed: list[tuple[Path, str]] = []
+        self.refuse = False
+
+    def __call__(self, folder: Path, sha256: str) -> dict:
+        if self.refuse:
+            self.refuse = False
+            raise PushFailed("409: the engine kept its drafter")
+        assert sha256_file(folder / "model.safetensors") == sha256
+        self.pushed.append((folder, sha256))
+        return {"served_sha256": sha256}
+
+
+def test_rounds_are_learned_from_captured_rows_and_pushed(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    writer = SpoolWriter(tmp_path / "spool")
+    for i in range(6):
+        writer.put(_captured(target, i, [1, 2, 0, 1], rows=i != 4))
+    strategy = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    start = {k: v.clone() for k, v in strategy.drafter.state_dict().items()}
+    server, settings = (
+        _Server(),
+        LearnerSettings(
+            tmp_path / "learner", round_size=3, max_rounds=2, poll_seconds=0, keep_learned=True
+        ),
+    )
+    rows = run_learner(target, strategy, POLICY, SpoolReader(tmp_path / "spool"), server, settings)
+    assert [r["round"] for r in rows] == [0, 1] and [r["learned"] for r in rows] == [3, 3]
+    assert rows[0]["captured"] == 3 and rows[1]["captured"] == 2 and rows[1]["fallback"] == 1
+    assert len(server.pushed) == 2 and rows[1]["served_sha256"] == server.pushed[1][1]
+    assert any(not torch.equal(start[k], v) for k, v in strategy.drafter.state_dict().items())
+    assert SpoolReader(tmp_path / "spool").pending() == []
+    assert len(list((tmp_path / "spool" / "done").iterdir())) == 6
+    assert rows[0]["served_tau"] == pytest.approx(2.0)  # (4 accepted + 4 steps) / 4 steps
+
+
+def test_a_refused_push_keeps_the_served_drafter_for_the_next_replay(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    writer = SpoolWriter(tmp_path / "spool")
+    for i in range(4):
+        writer.put(_captured(target, i, [1, 1]))
+    strategy = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    server = _Server()
+    server.refuse = True
+    settings = LearnerSettings(tmp_path / "learner", round_size=2, max_rounds=2, poll_seconds=0)
+    rows = run_learner(target, strategy, POLICY, SpoolReader(tmp_path / "spool"), server, settings)
+    assert rows[0]["push_failed"] == 1.0 and rows[1]["push_failed"] == 0.0
+    assert len(server.pushed) == 1
+
+
+def test_a_drafter_whose_traffic_accepts_less_is_rolled_back(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    writer = SpoolWriter(tmp_path / "spool")
+    for i, accepted in enumerate([[2, 2], [2, 2], [2, 2], [2, 2], [0, 0], [0, 0]]):
+        writer.put(_captured(target, i, accepted))
+    strategy = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    server = _Server()
+    settings = LearnerSettings(tmp_path / "learner", round_size=2, max_rounds=3, poll_seconds=0)
+    rows = run_learner(target, strategy, POLICY, SpoolReader(tmp_path / "spool"), server, settings)
+    assert [r.get("rollback", 0.0) for r in rows] == [0.0, 0.0, 1.0]
+    assert rows[2]["learned"] == 0
+    rolled_to = server.pushed[-1][0]
+    assert rolled_to == server.pushed[0][0]  # the drafter served before the bad push
+
+
+def test_a_killed_learner_resumes_without_learning_a_request_twice(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    writer = SpoolWriter(tmp_path / "spool")
+    for i in range(6):
+        writer.put(_captured(target, i, [1]))
+    settings = LearnerSettings(
+        tmp_path / "learner", round_size=2, max_rounds=1, poll_seconds=0, keep_learned=True
+    )
+    first = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    run_learner(target, first, POLICY, SpoolReader(tmp_path / "spool"), _Server(), settings)
+    # killed after the checkpoint, before its spool files were marked done
+    done = sorted((tmp_path / "spool" / "done").iterdir())
+    for path in done:
+        path.rename(tmp_path / "spool" / path.name)
+    again = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    settings.max_rounds = 2
+    rows = run_learner(target, again, POLICY, SpoolReader(tmp_path / "spool"), _Server(), settings)
+    assert [r["round"] for r in rows] == [1, 2]
+    for key, value in first.drafter.state_dict().items():  # resumed from the checkpoint
+        assert (
+            key in again.drafter.state_dict()
+            and value.shape == again.drafter.state_dict()[key].shape
+        )
+    lines = (tmp_path / "learner" / "rounds.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+
+
+def test_requests_that_cannot_be_learned_from_are_counted(target: TargetModel) -> None:
+    from lightning_spec.online.spool import SpoolEntry
+
+    drafter = HELPERS._drafter(target)
+    good = _captured(target, 1, [1])
+    sampled = _captured(target, 2, [1])
+    sampled.token_ids[-3] = (sampled.token_ids[-3] + 1) % 128  # not the target's greedy text
+    sampled.last = None
+    short = CapturedRequest("s", 6, good.token_ids[:7], good.aux[:6], good.last[:6], [0], [3])
+    entries = [SpoolEntry(Path(n), r) for n, r in (("a", good), ("b", sampled), ("c", short))]
+    generations, counts = round_feedback(target, drafter, POLICY, entries, 8)
+    assert len(generations) == 1
+    assert counts == {"captured": 1, "skipped_not_greedy": 1, "skipped_too_short": 1}
