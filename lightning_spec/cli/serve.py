@@ -102,6 +102,7 @@ def serve_vllm(args: argparse.Namespace) -> int:
     """``vllm serve`` with the drafter and our plugin, until interrupted (Ctrl-C or SIGTERM)."""
     import signal
     import time
+    from contextlib import closing
 
     from lightning_spec.bench.engines import engine_drafter
     from lightning_spec.bench.vllm import target_folder
@@ -122,8 +123,8 @@ def serve_vllm(args: argparse.Namespace) -> int:
     print(f"starting vllm serve on {args.host}:{args.port} (log: {out / 'vllm.log'})", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    with VllmServer(env, command, log=out / "vllm.log", workdir=out, spool=args.spool,
-                    push_root=args.push_root) as server:  # fmt: skip
+    with closing(VllmServer(env, command, log=out / "vllm.log", workdir=out, spool=args.spool,
+                    push_root=args.push_root)) as server:  # fmt: skip
         print(f"ready: {server.url}/v1 (status: {server.url}/lightning-spec/status)", flush=True)
 
         def done() -> bool:

@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from typing import Any
 import lightning_spec
 from lightning_spec.bench.vllm import NGRAM_LOOKUP
 from lightning_spec.online.vllm_routes import ENV_PUSH_ROOT, ENV_SPOOL
+from lightning_spec.tools.process import ServerExited, wait_healthy
 from lightning_spec.tools.vllm import VllmEnv
 
 __all__ = ["ServerFailed", "VllmServer", "plugin_path", "serve_command"]
@@ -120,7 +120,8 @@ def serve_command(
 
 
 class VllmServer:
-    """A running ``vllm serve`` (see the module docstring); a context manager that stops it."""
+    """A running ``vllm serve`` (see the module docstring); `close` stops it (use it with
+    ``contextlib.closing``)."""
 
     def __init__(
         self,
@@ -177,20 +178,10 @@ class VllmServer:
             return error.code, json.loads(error.read() or b"null")
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerFailed(
-                    f"vllm serve exited with {self.process.returncode}:\n{self._tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as answer:
-                    if answer.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(1.0)
-        raise ServerFailed(f"vllm serve did not answer /health in {timeout:.0f} s:\n{self._tail()}")
+        try:
+            wait_healthy(self.process, self.url, timeout, poll=1.0)
+        except (ServerExited, TimeoutError) as error:
+            raise ServerFailed(f"vllm serve {error}:\n{self._tail()}") from error
 
     def _tail(self, lines: int = 40) -> str:
         self._log.flush()
@@ -206,9 +197,3 @@ class VllmServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self._log.close()
-
-    def __enter__(self) -> VllmServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

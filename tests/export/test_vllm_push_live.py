@@ -8,33 +8,27 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
+
+from tests.conftest import noisy_copy
 
 pytestmark = pytest.mark.slow
 
 CHAIN, NEW_TOKENS = 3, 40
 
 
-def test_a_push_changes_what_vllm_drafts_never_what_it_outputs(tmp_path, engine_drafter) -> None:  # noqa: ANN001
+def test_a_push_changes_what_vllm_drafts_never_what_it_outputs(
+    tmp_path, engine_drafter, vllm_env
+) -> None:  # noqa: ANN001
     from lightning_spec.bench.vllm import run_vllm, to_prompt_results, vllm_mode
     from lightning_spec.data.assets import default_target_path
-    from lightning_spec.models.drafters.base import load_drafter
     from lightning_spec.online.engines import PushFailed, engine_tau
     from lightning_spec.online.vllm_engine import VllmOnlineEngine
-    from lightning_spec.tools.vllm import VllmMissing, find_vllm
 
-    try:
-        env = find_vllm()
-    except VllmMissing as error:
-        pytest.skip(str(error))
+    env = vllm_env
     fitted = engine_drafter(NEW_TOKENS)
     prompts, drafter = fitted["prompts"], fitted["drafter"]
     drafter.save_pretrained(tmp_path / "fitted")
-    noisy = load_drafter(tmp_path / "fitted")
-    with torch.no_grad():  # the same shapes, drafting worse
-        for parameter in noisy.parameters():
-            parameter.add_(0.2 * torch.randn_like(parameter))
-    noisy.save_pretrained(tmp_path / "noisy")
+    noisy_copy(tmp_path / "fitted", tmp_path / "noisy")  # the same shapes, drafting worse
     shutil.copytree(tmp_path / "fitted", tmp_path / "cut")
     weights = tmp_path / "cut" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
@@ -56,5 +50,7 @@ def test_a_push_changes_what_vllm_drafts_never_what_it_outputs(tmp_path, engine_
     drafts = [[r.meta["accepted_lengths"] for r in s] for s in (start, worse, back, after_refusal)]
     assert drafts[1] != drafts[0] and drafts[2] == drafts[0] and drafts[3] == drafts[0]
     taus = [engine_tau(s)[0] for s in (start, worse, back, after_refusal)]
-    print(f"vLLM tau: start {taus[0]:.3f}, noisy {taus[1]:.3f}, back {taus[2]:.3f}, after refusal {taus[3]:.3f}")
+    print(
+        f"vLLM tau: start {taus[0]:.3f}, noisy {taus[1]:.3f}, back {taus[2]:.3f}, after refusal {taus[3]:.3f}"
+    )
     assert taus[1] < taus[0]  # the noisy drafter is what vLLM drafted with

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lightning_spec.decoding.build import parse_tree_spec
+from lightning_spec.decoding.engine import autoregressive_generate
 from lightning_spec.decoding.replay import replay_greedy, text_pass
 from lightning_spec.models.drafters.eagle3 import Eagle3Drafter
 from lightning_spec.models.target import TargetModel
@@ -29,15 +30,6 @@ def target() -> TargetModel:
     return TargetModel.from_config(tiny_config("llama", num_layers=4), seed=2)
 
 
-def _greedy(target: TargetModel, prompt: list[int], new: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(new):
-            out = target(torch.tensor([ids]), use_cache=False, output_features=False)
-            ids.append(int(out.logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
 def _rows(target: TargetModel, prefix: list[int], scheduled: list[int]):  # noqa: ANN202
     """The target's rows of `scheduled` after the committed `prefix` (features, final hidden)."""
     with torch.no_grad():
@@ -50,7 +42,7 @@ def _serve(target: TargetModel, capture: StepCapture, rid: str, prompt: list[int
            chunks: int = 2) -> list[int]:  # fmt: skip
     """Feed `capture` the steps an engine would take to serve `prompt` greedily; returns the
     committed continuation."""
-    answer = _greedy(target, prompt, new + K + 1)
+    answer = autoregressive_generate(target, prompt, new + K + 1, stop_on_eos=False)
     cut = len(prompt) // chunks
     bounds = [0, *[cut * (i + 1) for i in range(chunks - 1)], len(prompt)]
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):

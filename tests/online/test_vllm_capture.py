@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_spec.decoding.engine import autoregressive_generate
 from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
 from lightning_spec.online.spool import SpoolReader
@@ -26,14 +27,6 @@ K = 2
 @pytest.fixture(scope="module")
 def target() -> TargetModel:
     return TargetModel.from_config(tiny_config("llama", num_layers=4), seed=5)
-
-
-def _greedy(target: TargetModel, ids: list[int], new: int) -> list[int]:
-    ids = list(ids)
-    with torch.no_grad():
-        for _ in range(new):
-            ids.append(int(target(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids
 
 
 class _Buffer:
@@ -84,8 +77,8 @@ def test_two_requests_batched_together_each_spooled_with_their_own_rows(
 ) -> None:
     capture = RunnerCapture(tmp_path / "spool")
     a_prompt, b_prompt = list(range(3, 15)), list(range(20, 28))
-    a_full, b_full = _greedy(target, a_prompt, 8), _greedy(target, b_prompt, 8)
-    a, b = a_full[len(a_prompt) :], b_full[len(b_prompt) :]
+    a = autoregressive_generate(target, a_prompt, 8, stop_on_eos=False)
+    b = autoregressive_generate(target, b_prompt, 8, stop_on_eos=False)
     # step 1: A's whole prompt, B's first chunk (its sampled token is discarded by the engine)
     _step(target, capture, [
         {"id": "A", "prefix": [], "scheduled": a_prompt, "sampled": [a[0]], "params": _params(5)},

@@ -12,10 +12,13 @@ import socket
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import noisy_copy
 
 pytestmark = pytest.mark.slow
 
@@ -41,33 +44,26 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
     return [int(t) for t in reply["choices"][0]["token_ids"]]
 
 
-def test_vllm_serve_captures_features_and_takes_pushes(tmp_path: Path, engine_drafter) -> None:  # noqa: ANN001
+def test_vllm_serve_captures_features_and_takes_pushes(
+    tmp_path: Path, engine_drafter, vllm_env
+) -> None:  # noqa: ANN001
     from lightning_spec.data.assets import default_target_path
     from lightning_spec.decoding.engine import autoregressive_generate
     from lightning_spec.io import sha256_file
-    from lightning_spec.models.drafters.base import load_drafter
     from lightning_spec.online.spool import SpoolReader
     from lightning_spec.online.vllm_server import VllmServer, serve_command
-    from lightning_spec.tools.vllm import VllmMissing, find_vllm
 
-    try:
-        env = find_vllm()
-    except VllmMissing as error:
-        pytest.skip(str(error))
+    env = vllm_env
     fitted = engine_drafter(NEW_TOKENS)
     target, prompts = fitted["target"], fitted["prompts"]
     learner = tmp_path / "learner" / "drafters"
     fitted["drafter"].save_pretrained(learner / "a")
-    noisy = load_drafter(learner / "a")
-    with torch.no_grad():
-        for parameter in noisy.parameters():
-            parameter.add_(0.2 * torch.randn_like(parameter))
-    noisy.save_pretrained(learner / "noisy")
+    noisy_copy(learner / "a", learner / "noisy")
     shutil.copytree(learner / "a", tmp_path / "outside")
     greedy = [autoregressive_generate(target, p, NEW_TOKENS, stop_on_eos=True) for p in prompts]
     command = serve_command(env, default_target_path(), learner / "a", k=3, port=_free_port())
-    with VllmServer(env, command, log=tmp_path / "vllm.log", workdir=tmp_path,
-                    spool=tmp_path / "spool", push_root=tmp_path / "learner") as server:  # fmt: skip
+    with closing(VllmServer(env, command, log=tmp_path / "vllm.log", workdir=tmp_path,
+                    spool=tmp_path / "spool", push_root=tmp_path / "learner")) as server:  # fmt: skip
         start = server.get("/lightning-spec/status")
         assert start["capture"]["enabled"], start
         with ThreadPoolExecutor(4) as pool:  # four clients at once
@@ -121,12 +117,6 @@ def test_serve_learn_pushes_what_it_learned_and_replies_stay_greedy(
     import subprocess
     import sys
 
-    from lightning_spec.tools.vllm import VllmMissing, find_vllm
-
-    try:
-        find_vllm()
-    except VllmMissing as error:
-        pytest.skip(str(error))
     fitted = engine_drafter(NEW_TOKENS)
     fitted["drafter"].save_pretrained(tmp_path / "drafter")
     config = tmp_path / "learn.yaml"
