@@ -1,6 +1,7 @@
 """The real ``vllm serve`` (the cached CPU build) with our drafter and plugin, over HTTP: replies
 are the target's greedy text, the features captured from the serving pass equal a separate
-target prefill's, and a push changes the served drafter while a bad one is refused. Slow: the
+target prefill's, a push changes the served drafter while a bad one is refused, and malformed or
+oversized requests get a 4xx and reach no learner. Slow: the
 real SmolLM2 and vLLM's start-up; skipped where vLLM-CPU is not installed
 (`./scripts/build_vllm.sh`)."""
 
@@ -10,6 +11,7 @@ import json
 import shutil
 import socket
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
@@ -104,6 +106,23 @@ def test_vllm_serve_captures_features_and_takes_pushes(
         assert server.get("/lightning-spec/status")["served_sha256"] == sha  # unchanged
         again = [_complete(server.url, p) for p in prompts]
         assert again == replies  # lossless with the pushed drafter
+
+        # malformed and oversized requests: the server's 4xx, nothing reaches the spool
+        finished = server.get("/lightning-spec/status")["capture"]["capture_finished"]
+        model = server.get("/v1/models")["data"][0]["id"]
+        bad = [
+            b"{not json",
+            json.dumps({"model": model, "prompt": [5] * 4000, "max_tokens": 8}).encode(),
+            json.dumps({"model": model, "prompt": prompts[0], "max_tokens": -3}).encode(),
+        ]
+        for body in bad:
+            request = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                             headers={"content-type": "application/json"})  # fmt: skip
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            assert 400 <= refused.value.code < 500
+        time.sleep(2)
+        assert server.get("/lightning-spec/status")["capture"]["capture_finished"] == finished
 
 
 def test_serve_learn_pushes_what_it_learned_and_replies_stay_greedy(
