@@ -74,6 +74,10 @@ SUITE: dict[str, tuple[str, str]] = {
         "lightning_spec.bench.pace",
         "machine pace: feature, regeneration and SFT-step throughput (--what)",
     ),
+    "load": (
+        "lightning_spec.bench.serve_load",
+        "replay a request stream against an OpenAI-compatible server at a set concurrency",
+    ),
 }
 
 
