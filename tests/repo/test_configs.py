@@ -383,10 +383,10 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
     from lightning_spec.tracking import default_tracking_uri
 
     assert [p.name for p in ONLINE_CONFIGS] == [
-        "ogd_mixed_cpu.yaml", "ogd_shift_cpu.yaml", "ogd_shift_vllm.yaml", "ogd_warm_cpu.yaml",
+        "ogd_mixed_cpu.yaml", "ogd_shift_cpu.yaml", "ogd_warm_cpu.yaml",
         "serve_cpu_tree.yaml", "serve_hydra_optimistic.yaml", "serve_live_check.yaml",
         "serve_strong_warm_start.yaml", "serve_update_beside.yaml", "vllm_broad_traffic.yaml",
-        "vllm_warm_start.yaml",
+        "vllm_no_warm_start.yaml", "vllm_warm_start.yaml",
     ]
     for path in ONLINE_CONFIGS:
         config = load_config(path)
@@ -439,7 +439,7 @@ def test_an_online_configs_stream_and_strategy_options() -> None:
 
     from lightning_spec.cli.online import load_config, strategy_options, stream_segments
 
-    config = load_config(ROOT / "configs" / "online" / "ogd_shift_vllm.yaml")
+    config = load_config(ROOT / "experiments" / "onlinespec" / "configs" / "vllm_no_warm_start.yaml")
     (segment,) = stream_segments(config)
     assert (segment.count, segment.order, segment.skip) == (1200, "source", 800)
     target = SimpleNamespace(eos_token_ids=[2, 7])

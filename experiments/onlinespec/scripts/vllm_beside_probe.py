@@ -1,7 +1,7 @@
 """Does an online update beside vLLM's serving pay on this machine? Serving and the update
 timed alone and at the same time, on the same requests.
 
-    python experiments/onlinespec/scripts/vllm_beside_probe.py --config configs/online/ogd_shift_vllm.yaml \
+    python experiments/onlinespec/scripts/vllm_beside_probe.py --config experiments/onlinespec/configs/vllm_no_warm_start.yaml \
         --requests 20 --learner-threads 1,2 --output experiments/onlinespec/results/smollm2_online_shift_vllm/beside_probe.json
 
 `online --engine vllm` runs each round's update (the feedback's replay through our decoder and
