@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     vllm.add_argument("--method", default="eagle3", choices=("eagle3", "dflash", "ngram"))
     vllm.add_argument("--learn", default=None, metavar="CONFIG",
                       help="keep the drafter learning from what it serves: an online config "
-                      "(configs/online/; its strategy, round_size and tree)")  # fmt: skip
+                      "(configs/online/; its strategy and round_size)")  # fmt: skip
     vllm.add_argument("--spool", default=None, help="capture served requests' features here")
     vllm.add_argument("--push-root", default=None, help="accept pushes of drafters under here")
     vllm.add_argument("--max-model-len", type=int, default=2048)
@@ -141,13 +141,14 @@ def serve_vllm(args: argparse.Namespace) -> int:
     return 0 if code is None else int(code or 1)
 
 
-LEARN_KEYS = {"strategy", "round_size", "tree", "rollback_margin", "keep_drafters", "keep_learned"}
+LEARN_KEYS = {"strategy", "round_size", "rollback_margin", "keep_drafters", "keep_learned"}
 
 
 def _learn_config(path: str) -> dict:
     """The learner's config, checked before the server starts (fields named on error): an
-    `online` config (configs/online/) whose strategy, round_size and tree it takes, the stream and
-    engine fields being the server's business here, plus rollback_margin and keep_drafters."""
+    `online` config (configs/online/) whose strategy and round_size it takes, plus
+    rollback_margin, keep_drafters and keep_learned. The replay drafts the server's chain of
+    --k; the stream, tree and engine fields are the server's business here."""
     import yaml
 
     from lightning_spec.cli.online import KEYS
@@ -191,7 +192,8 @@ def _run_learner(args: argparse.Namespace, config: dict, drafter: Path, url: str
         keep_drafters=int(config.get("keep_drafters", 3)),
         keep_learned=bool(config.get("keep_learned", False)),
     )  # fmt: skip
-    policy = specs.resolve_tree(str(config.get("tree", f"chain:{args.k}")))
+    # the replay must draft as the server does: vLLM drafts a chain of --k, whatever the config says
+    policy = specs.resolve_tree(f"chain:{args.k}")
     print(f"learning: {strategy.name}, rounds of {settings.round_size} served requests", flush=True)
     run_learner(
         target, strategy, policy, SpoolReader(args.spool), http_push(url), settings, stop=done
