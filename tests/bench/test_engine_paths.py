@@ -158,7 +158,7 @@ def test_a_bad_drafter_folder_fails_before_any_work(
 def test_online_with_vllm_hands_the_engine_absolute_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every documented `online` config served by vLLM, its drafter path as the config writes
+    """Every `online` config served by vLLM (recipes and the studies' arms the guide shows), its drafter path as the config writes
     it; the target a relative local folder too."""
     import lightning_spec.online.vllm_engine as vllm_engine
     import lightning_spec.tools.vllm as vllm_tool
@@ -174,8 +174,8 @@ def test_online_with_vllm_hands_the_engine_absolute_paths(
     monkeypatch.setattr(vllm_tool, "ensure_vllm", lambda *a, **k: SimpleNamespace())
     monkeypatch.chdir(tmp_path)
     _target_folder(tmp_path / "models" / "target")
-    configs = [p for p in sorted((ROOT / "configs").rglob("*.yaml"))
-               if (yaml.safe_load(p.read_text()) or {}).get("engine") == "vllm"]  # fmt: skip
+    files = sorted((ROOT / "configs").rglob("*.yaml")) + sorted(ROOT.glob("experiments/*/configs/*.yaml"))
+    configs = [p for p in files if (yaml.safe_load(p.read_text()) or {}).get("engine") == "vllm"]
     assert configs, "no documented online config served by vLLM"
     for path in configs:
         config = load_config(path, {"target": "models/target"})
