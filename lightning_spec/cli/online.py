@@ -96,9 +96,13 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> di
     if engine == "vllm":
         tree = str(config["tree"])
         if not tree.startswith("chain:"):
-            raise ValueError(f"vLLM drafts a chain: set tree: chain:K with engine: vllm (got {tree})")
+            raise ValueError(
+                f"vLLM drafts a chain: set tree: chain:K with engine: vllm (got {tree})"
+            )
         if config.get("replay") or config.get("update_beside"):
-            raise ValueError("engine: vllm serves every request live: replay and update_beside do not apply")
+            raise ValueError(
+                "engine: vllm serves every request live: replay and update_beside do not apply"
+            )
     if config.get("replay") and config.get("live_check"):
         raise ValueError("live_check decodes live and checks each output against the cached "
                          "greedy answers: set replay: false with it")  # fmt: skip
@@ -185,6 +189,18 @@ def stream_segments(config: dict[str, Any]) -> list[Any]:
     ]
 
 
+def dump_stream(requests: list[Any], path: Path) -> None:
+    """The stream as `bench load` sends it: the very prompts (chat template applied, token ids)
+    the in-process harness serves, so a server's arms and the harness see the same requests."""
+    from lightning_spec.io import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp, open(tmp, "w") as handle:
+        for request in requests:
+            handle.write(json.dumps({"id": request.id, "prompt_ids": request.prompt}) + "\n")
+    print(f"online: wrote {len(requests)} requests to {path}", file=sys.stderr)
+
+
 def strategy_options(config: dict[str, Any], target: Any) -> dict[str, Any]:
     """The strategy's keyword options from the config; with `vocab_swap` the target's end ids
     are protected, so a grown draft vocabulary never evicts the end of an answer."""
@@ -228,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
         "(replayed, --hindsight-epochs passes), then score the rest frozen (the ceiling)",
     )
     parser.add_argument("--hindsight-epochs", type=int, default=3)
+    parser.add_argument(
+        "--dump-stream",
+        default=None,
+        metavar="FILE.jsonl",
+        help="serve nothing: write the config's stream (after drop_overlap) as token ids, one "
+        "request a line, for `lightning-spec bench load` to send to a server, and stop",
+    )
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {}
     if args.stream is not None:
@@ -288,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"online: {problem}", file=sys.stderr)
         return 2
+    if args.dump_stream:
+        dump_stream(requests, Path(args.dump_stream))
+        return 0
     continuations = None
     if config.get("replay") or config.get("live_check"):
         # T = 0: answers generated once in batches; every strategy replays them (replay) or
@@ -296,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
 
         cache = config.get("replay_cache") or Path(config["out_dir"]).parent / "continuations.jsonl"
         continuations = stream_continuations(
-            target, requests, max_new_tokens=int(config["max_new_tokens"]), cache=cache,
+            target,
+            requests,
+            max_new_tokens=int(config["max_new_tokens"]),
+            cache=cache,
             batch_size=int(config.get("replay_batch", 32)),
         )
     try:

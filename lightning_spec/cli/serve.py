@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=("decoder", "vllm"), default="decoder",
                         help="decoder: our decoder, learning online (--strategy); vllm: vllm serve")  # fmt: skip
     vllm.add_argument("--k", type=int, default=3, help="drafts per step")
-    vllm.add_argument("--method", default="eagle3", choices=("eagle3", "dflash", "ngram"))
+    vllm.add_argument("--method", default="eagle3", choices=("eagle3", "dflash", "ngram", "plain"),
+                      help="ngram: vLLM's drafter-free proposer; plain: no speculation (the "
+                      "drafter is then not read)")  # fmt: skip
     vllm.add_argument("--learn", default=None, metavar="CONFIG",
                       help="keep the drafter learning from what it serves: an online config "
                       "(configs/online/; its strategy and round_size)")  # fmt: skip
@@ -109,13 +111,15 @@ def serve_vllm(args: argparse.Namespace) -> int:
     from lightning_spec.online.vllm_server import VllmServer, serve_command
     from lightning_spec.tools.vllm import VllmEnv, ensure_vllm
 
-    drafter = None if args.method == "ngram" else engine_drafter(args.drafter, "vLLM")[0]
+    drafter = None if args.method in ("ngram", "plain") else engine_drafter(args.drafter, "vLLM")[0]
     env = VllmEnv.external(args.vllm_python) if args.vllm_python else ensure_vllm()
     command = serve_command(
         env, target_folder(args.target), drafter, method=args.method, k=args.k, host=args.host,
         port=args.port, max_model_len=args.max_model_len,
     )  # fmt: skip
     out = Path(args.out_dir)
+    if args.learn and drafter is None:
+        raise ValueError(f"--learn needs a drafter to learn: --method {args.method} has none")
     learn = _learn_config(args.learn) if args.learn else None
     if learn is not None:  # the learner reads the spool and pushes from its own folder
         args.spool = args.spool or str(out / "spool")
@@ -141,17 +145,21 @@ def serve_vllm(args: argparse.Namespace) -> int:
     return 0 if code is None else int(code or 1)
 
 
-LEARN_KEYS = {"strategy", "round_size", "rollback_margin", "keep_drafters", "keep_learned"}
+LEARN_KEYS = {"strategy", "round_size", "rollback_margin", "keep_drafters", "keep_learned",
+              "schedule"}  # fmt: skip
+SCHEDULE_KEYS = {"growth", "max_gap", "drift_margin"}
 
 
 def _learn_config(path: str) -> dict:
     """The learner's config, checked before the server starts (fields named on error): an
     `online` config (configs/online/) whose strategy and round_size it takes, plus
-    rollback_margin, keep_drafters and keep_learned. The replay drafts the server's chain of
+    rollback_margin, keep_drafters, keep_learned and ``schedule: {growth, max_gap,
+    drift_margin}`` (`online.learner.UpdateSchedule`). The replay drafts the server's chain of
     --k; the stream, tree and engine fields are the server's business here."""
     import yaml
 
     from lightning_spec.cli.online import KEYS
+    from lightning_spec.online.learner import UpdateSchedule
 
     try:
         config = yaml.safe_load(Path(path).read_text()) or {}
@@ -169,6 +177,13 @@ def _learn_config(path: str) -> dict:
         )
     if int(config.get("round_size", 40)) < 1:
         raise ValueError(f"{path}: round_size must be >= 1")
+    schedule = config.get("schedule", {})
+    if not isinstance(schedule, dict) or set(schedule) - SCHEDULE_KEYS:
+        raise ValueError(f"{path}: schedule must be a mapping of {sorted(SCHEDULE_KEYS)}")
+    try:
+        UpdateSchedule(**schedule)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: schedule: {error}") from error
     return config
 
 
@@ -191,6 +206,9 @@ def _run_learner(args: argparse.Namespace, config: dict, drafter: Path, url: str
         rollback_margin=float(config.get("rollback_margin", 0.1)),
         keep_drafters=int(config.get("keep_drafters", 3)),
         keep_learned=bool(config.get("keep_learned", False)),
+        update_growth=float(config.get("schedule", {}).get("growth", 1.0)),
+        max_gap=int(config.get("schedule", {}).get("max_gap", 8)),
+        drift_margin=float(config.get("schedule", {}).get("drift_margin", 0.1)),
     )  # fmt: skip
     # the replay must draft as the server does: vLLM drafts a chain of --k, whatever the config says
     policy = specs.resolve_tree(f"chain:{args.k}")

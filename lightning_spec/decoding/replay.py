@@ -236,17 +236,23 @@ def committed_feedback(
     *,
     keep_labels: int = 0,
     tolerance: float = 1e-3,
+    text: TextPass | None = None,
 ) -> Generation:
     """What serving `prompt` at T = 0 teaches whatever drafter served it: the committed text, its
     target features and (`keep_labels`) soft labels, from one teacher-forced pass, without the
     drafting a replay adds (no records). A learner that reads only the committed text
-    (`OnlineStrategy.reads_records` False) gets from it exactly what a replay would give it."""
+    (`OnlineStrategy.reads_records` False) gets from it exactly what a replay would give it.
+    `text`: the target's pass over this text when one is at hand (the rows a serving engine
+    computed, `online.capture`): then no target forward runs at all."""
     prompt, continuation = [int(t) for t in prompt], [int(t) for t in continuation]
     if not prompt or not continuation:
         raise ValueError("feedback needs a prompt and at least the first generated token")
     start = len(prompt)
     ids = torch.tensor([prompt + continuation], device=target.device)
-    text = text_pass(target, ids, start, features=True)
+    if text is None:
+        text = text_pass(target, ids, start, features=True)
+    elif text.features is None:
+        raise ValueError("the text pass holds no features to learn from")
     _, labels = _checked_rows(target, text, ids, start, keep_labels, tolerance)
     return Generation(
         prompt=prompt,

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from lightning_spec.decoding.build import TreePolicy
-from lightning_spec.decoding.replay import ReplayMismatch
+from lightning_spec.decoding.replay import ReplayMismatch, committed_feedback
 from lightning_spec.io import atomic_folder, atomic_path, sha256_file
 from lightning_spec.online.engines import PushFailed
 from lightning_spec.online.loop import guarded_update, replay_captured, replay_request
@@ -51,7 +51,14 @@ from lightning_spec.online.strategies import OnlineStrategy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LearnerSettings", "http_push", "round_feedback", "run_learner", "served_tau"]
+__all__ = [
+    "LearnerSettings",
+    "UpdateSchedule",
+    "http_push",
+    "round_feedback",
+    "run_learner",
+    "served_tau",
+]
 
 CHECKPOINT = "learner.pt"
 ROUNDS = "rounds.jsonl"
@@ -70,6 +77,54 @@ class LearnerSettings:
     keep_learned: bool = False
     """Keep the spool files learned from (in ``spool/done/``) instead of deleting them."""
     max_rounds: int | None = None
+    update_growth: float = 1.0
+    """The update schedule (`UpdateSchedule`): 1 learns from every round; above 1 the gap between
+    updates grows by this factor after each one, up to `max_gap` rounds."""
+    max_gap: int = 8
+    drift_margin: float = 0.1
+    """A round whose served tau falls this much (relative) below the recent rounds' mean is drift:
+    the schedule learns from it and every round after it again."""
+
+
+class UpdateSchedule:
+    """When the learner pays for an update, from the acceptance served on the newest traffic.
+
+    An update costs the same seconds whenever it runs, but what it buys shrinks as the drafter
+    settles into the stream: early rounds teach the domain's tokens, later ones add little. So
+    the gap between updates grows geometrically (1, 1, 2, 3, 5, ... rounds at a growth of 1.5,
+    up to `max_gap`), and drops back to every round when the served tau of a round falls below
+    the mean of the recent rounds by `drift_margin` (the traffic moved: learn again). The served
+    tau is the engine's own count, free; a skipped round costs nothing, not even its features.
+    """
+
+    def __init__(self, growth: float = 1.0, max_gap: int = 8, drift_margin: float = 0.1,
+                 window: int = 4) -> None:  # fmt: skip
+        if growth < 1.0 or max_gap < 1 or not 0.0 <= drift_margin < 1.0:
+            raise ValueError("the schedule needs growth >= 1, max_gap >= 1, 0 <= drift_margin < 1")
+        self.growth, self.max_gap, self.drift_margin = float(growth), int(max_gap), drift_margin
+        self.window = int(window)
+        self.gap, self.next_round, self.recent = 1.0, 0, []
+
+    def decide(self, index: int, tau: float) -> str:
+        """``"learn"``, ``"drift"`` (learn, the gap reset) or ``"skip"`` for round `index`."""
+        recent = [t for t in self.recent[-self.window :] if t == t]
+        self.recent = (self.recent + [tau])[-self.window :]
+        if (recent and tau == tau and self.growth > 1.0
+                and tau < sum(recent) / len(recent) * (1 - self.drift_margin)):  # fmt: skip
+            self.gap, self.next_round = 1.0, index + 1
+            return "drift"
+        if index < self.next_round:
+            return "skip"
+        self.next_round = index + max(1, int(self.gap))
+        self.gap = min(self.gap * self.growth, float(self.max_gap))
+        return "learn"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"gap": self.gap, "next_round": self.next_round, "recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gap, self.next_round = float(state["gap"]), int(state["next_round"])
+        self.recent = list(state["recent"])
 
 
 def http_push(url: str, timeout: float = 600.0) -> Push:
@@ -99,9 +154,13 @@ def served_tau(entries: list[SpoolEntry]) -> float:
 
 
 def round_feedback(
-    target: Any, drafter: Any, policy: TreePolicy, entries: list[SpoolEntry], labels: int
-) -> tuple[list[Any], Counter[str]]:
-    """The round's generations (stage 2 of the module docstring) and what each request took."""
+    target: Any, drafter: Any, policy: TreePolicy, entries: list[SpoolEntry], labels: int,
+    *, records: bool = True,
+) -> tuple[list[Any], Counter[str]]:  # fmt: skip
+    """The round's generations (stage 2 of the module docstring) and what each request took.
+    ``records=False`` (a strategy that reads only the committed text, `reads_records`): the
+    captured rows give features and labels directly, with no drafter replay (the records a
+    replay would add go unread)."""
     generations, counts = [], Counter()
     for entry in entries:
         request = entry.request
@@ -113,9 +172,13 @@ def round_feedback(
             counts["skipped_too_short"] += 1
             continue
         try:
-            generations.append(
-                replay_captured(target, drafter, policy, request, keep_labels=labels)
-            )
+            if records:
+                generation = replay_captured(target, drafter, policy, request, keep_labels=labels)
+            else:
+                generation = committed_feedback(
+                    target, prompt, answer, keep_labels=labels, text=request.text_pass()
+                )
+            generations.append(generation)
             counts["captured"] += 1
             continue
         except (
@@ -126,9 +189,13 @@ def round_feedback(
                 "%s: captured rows unusable (%s); a target pass instead", request.request_id, error
             )
         try:
-            generations.append(
-                replay_request(target, drafter, policy, prompt, answer, keep_labels=labels)
-            )
+            if records:
+                generation = replay_request(
+                    target, drafter, policy, prompt, answer, keep_labels=labels
+                )
+            else:
+                generation = committed_feedback(target, prompt, answer, keep_labels=labels)
+            generations.append(generation)
             counts["fallback"] += 1
         except (
             ValueError,
@@ -152,10 +219,13 @@ def run_learner(
     rounds' rows (also appended to ``out_dir/rounds.jsonl``)."""
     out = Path(settings.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = _resume(out, strategy, reader, settings.keep_learned)
+    schedule = UpdateSchedule(settings.update_growth, settings.max_gap, settings.drift_margin)
+    state = _resume(out, strategy, reader, settings.keep_learned, schedule)
     served = copy.deepcopy(strategy.drafter)  # what the server serves (a refused push keeps it)
     if state["served_state"] is not None:
         served.load_state_dict(state["served_state"])
+    if state["served_folder"] is not None:  # a restarted server starts from its --drafter again
+        _push_served(push, state)
     rows: list[dict[str, Any]] = []
     while not stop() and (settings.max_rounds is None or len(rows) < settings.max_rounds):
         entries = reader.take(limit=settings.round_size)
@@ -170,9 +240,12 @@ def run_learner(
         }
         if _maybe_roll_back(state, strategy, served, push, row, settings.rollback_margin):
             row["learned"] = 0  # served by the drafter just rolled back: not learned from
+        elif (decision := schedule.decide(index, row["served_tau"])) == "skip":
+            row["learned"] = 0  # the schedule's gap: this round's seconds go to serving
         else:
+            row["schedule"] = decision
             _learn(target, strategy, policy, served, entries, push, out, index, state, row)
-        state.update(round=index, served_state=served.state_dict())
+        state.update(round=index, served_state=served.state_dict(), schedule=schedule.state_dict())
         _checkpoint(out, strategy, state, [e.path.name for e in entries])
         reader.done(entries, keep=settings.keep_learned)
         _prune(out, settings.keep_drafters, state)
@@ -189,7 +262,8 @@ def _learn(target: Any, strategy: OnlineStrategy, policy: TreePolicy, served: An
            row: dict[str, Any]) -> None:  # fmt: skip
     """Stages 2-4 of the module docstring for one round; `row` gets their counts and seconds."""
     tic = time.perf_counter()
-    generations, counts = round_feedback(target, served, policy, entries, strategy.label_top_k)
+    generations, counts = round_feedback(target, served, policy, entries, strategy.label_top_k,
+                                         records=strategy.reads_records)  # fmt: skip
     row.update(counts, learned=len(generations), feedback_seconds=time.perf_counter() - tic)
     if not generations:
         return
@@ -257,7 +331,19 @@ def _checkpoint(
         torch.save({**state, "strategy": strategy.state_dict(), "learned": learned}, tmp)
 
 
-def _resume(out: Path, strategy: OnlineStrategy, reader: SpoolReader, keep: bool) -> dict[str, Any]:
+def _push_served(push: Push, state: dict[str, Any]) -> None:
+    """Push the drafter the checkpoint says is served: a learner resumed beside a restarted
+    server would otherwise learn from traffic served by the server's starting drafter."""
+    folder = Path(state["served_folder"])
+    try:
+        push(folder, sha256_file(folder / "model.safetensors"))
+        log.info("learner resumed: pushed %s, the drafter it last served", folder)
+    except (PushFailed, OSError) as error:
+        log.warning("learner resumed, but the drafter it served could not be pushed: %s", error)
+
+
+def _resume(out: Path, strategy: OnlineStrategy, reader: SpoolReader, keep: bool,
+            schedule: UpdateSchedule) -> dict[str, Any]:  # fmt: skip
     state: dict[str, Any] = {"round": -1, "served_folder": None, "served_state": None,
                              "previous": None, "tau_before_push": None}  # fmt: skip
     path = out / CHECKPOINT
@@ -268,6 +354,8 @@ def _resume(out: Path, strategy: OnlineStrategy, reader: SpoolReader, keep: bool
     learned = set(saved.pop("learned", []))
     # killed between the checkpoint and marking its files done: mark them now
     reader.done([SpoolEntry(p, None) for p in reader.pending() if p.name in learned], keep=keep)
+    if saved.get("schedule"):
+        schedule.load_state_dict(saved["schedule"])
     state.update(saved)
     log.info("learner resumed after round %d from %s", state["round"], path)
     return state

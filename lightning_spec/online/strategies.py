@@ -135,7 +135,9 @@ class OGDStrategy:
     ``online_loss`` is the loss of the model that SERVED the round on that round (before the
     update), the quantity dynamic regret is measured on. ``vocab_swap: n`` lets the draft
     vocabulary follow the stream: up to n slots a round go from the tokens the stream uses least
-    to those it uses most that the drafter could not draft (`online/vocab.py`).
+    to those it uses most that the drafter could not draft (`online/vocab.py`). ``autocast``
+    (true, false or ``auto``) runs the update's forward and backward under bf16 autocast
+    (`bf16_autocast_wanted`).
     """
 
     name = "ogd"
@@ -159,8 +161,10 @@ class OGDStrategy:
         vocab_swap: int = 0,
         vocab_min_count: int = 2,
         protected_ids: Sequence[int] = (),
+        autocast: bool | str = False,
     ) -> None:
         self.label_top_k = kept_label_rows(labels, label_top_k)
+        self.bf16 = bf16_autocast_wanted(autocast)
         if lr <= 0 or steps_per_round < 1 or buffer_rounds < 1:
             raise ValueError(f"{self.name} needs lr > 0, steps_per_round >= 1, buffer_rounds >= 1")
         if epochs < 0 or minibatch < 1:
@@ -254,7 +258,8 @@ class OGDStrategy:
         self.drafter.train()
         steps, trained = 0, 0.0
         for part in epoch_minibatches(self.buffer, self.epochs, self.minibatch, self._shuffle):
-            loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+                loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps)
             if count == 0 or not torch.isfinite(loss):
                 continue  # no label here, or a non-finite part: it changes nothing
             self._apply(loss)
@@ -284,6 +289,19 @@ class OGDStrategy:
             self._shuffle.set_state(state["shuffle"])
         if self.growth is not None and "vocab_growth" in state:
             self.growth.load_state_dict(state["vocab_growth"])
+
+
+def bf16_autocast_wanted(autocast: bool | str) -> bool:
+    """Whether the drafter's update runs under bf16 autocast (its weights and AdamW state stay
+    fp32). ``"auto"``: where this CPU has native bf16 (avx512_bf16 or AMX), which about halves
+    the drafter's step; emulated bf16 elsewhere (Zen 3) is slower than fp32."""
+    if autocast == "auto":
+        from lightning_spec.bench.machine import has_native_bf16
+
+        return has_native_bf16()
+    if not isinstance(autocast, bool):
+        raise ValueError(f"autocast must be true, false or auto, not {autocast!r}")
+    return autocast
 
 
 def timed_served_loss(
@@ -366,7 +384,9 @@ class OptimisticStrategy:
             return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
         tic = time.perf_counter()
         if self.epochs == 0:
-            loss, labels, grads = _round_gradient(self.drafter, batch, self.ttt_steps, self.grad_clip)
+            loss, labels, grads = _round_gradient(
+                self.drafter, batch, self.ttt_steps, self.grad_clip
+            )
             if grads is not None:
                 self._step(grads)
             return {"online_loss": loss, "update_seconds": time.perf_counter() - tic,
@@ -497,7 +517,9 @@ class EnsembleStrategy:
             # round's trainer from the merged weights alone (no optimizer.pt beside them)
             with torch.no_grad():
                 for learner in self.learners:
-                    for mine, mean in zip(_trainable(learner.drafter), _trainable(self.drafter), strict=True):
+                    for mine, mean in zip(
+                        _trainable(learner.drafter), _trainable(self.drafter), strict=True
+                    ):
                         mine.copy_(mean)
                     learner.optimizer.state.clear()
         metrics = {"online_loss": served, "labels": float(labels),

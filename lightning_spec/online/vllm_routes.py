@@ -8,7 +8,9 @@ loads it only when ``VLLM_PLUGINS`` names it), paired with the worker extension
 
 Routes (JSON):
 
-* ``GET /lightning-spec/status``: the served drafter's sha256 and folder, capture counters.
+* ``GET /lightning-spec/status``: the served drafter's sha256 and folder, capture counters, and
+  ``learner_rounds``: how many rounds the learner writing into ``LIGHTNING_SPEC_PUSH_ROOT`` has
+  finished (a client that charges the learner in series waits on it).
 * ``POST /lightning-spec/push`` ``{"folder": ..., "sha256": ...}``: serve that drafter. Only a
   folder inside ``LIGHTNING_SPEC_PUSH_ROOT`` (the learner's output folder) is accepted: 403
   outside it, 404 without its weights, 409 when the engine refuses it (a wrong sha256, other
@@ -85,9 +87,23 @@ async def push(rpc: Rpc, body: Any, push_root: str | None) -> dict[str, Any]:
     return answers[0] if isinstance(answers, list) and answers else answers
 
 
-async def status(rpc: Rpc) -> dict[str, Any]:
+async def status(rpc: Rpc, push_root: str | None = None) -> dict[str, Any]:
     answers = await rpc("lightning_spec_status")
-    return answers[0] if isinstance(answers, list) and answers else answers
+    answer = dict(answers[0] if isinstance(answers, list) and answers else answers)
+    answer["learner_rounds"] = learner_rounds(push_root)
+    return answer
+
+
+def learner_rounds(push_root: str | None) -> int:
+    """Rounds the learner has finished: the lines of its ``rounds.jsonl`` (`online.learner`),
+    each appended once a round is checkpointed; 0 without a learner."""
+    if not push_root:
+        return 0
+    try:
+        with open(Path(push_root) / "rounds.jsonl", "rb") as handle:
+            return sum(1 for line in handle if line.strip())
+    except OSError:
+        return 0
 
 
 class LightningSpecRoutes:
@@ -108,7 +124,7 @@ class LightningSpecRoutes:
         @router.get("/lightning-spec/status")
         async def get_status(request: Request) -> Any:
             try:
-                return JSONResponse(await status(_rpc(request)))
+                return JSONResponse(await status(_rpc(request), os.environ.get(ENV_PUSH_ROOT)))
             except PushRefused as refused:
                 return JSONResponse({"error": refused.reason}, status_code=refused.status)
 

@@ -1,6 +1,7 @@
 """lightning-spec bench load against a small OpenAI-style server made here: every request sent
 once in stream order at the set concurrency, the per-request speculative metrics read, a killed
-run resumed without sending an answered request again, a failing request retried then counted."""
+run resumed without sending an answered request again, a failing request retried then counted;
+a learner charged in series (the client waits for each round's update); arms paired."""
 
 from __future__ import annotations
 
@@ -12,13 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from lightning_spec.bench.serve_load import load_stream, main, replay, summarise
+from lightning_spec.bench.serve_load import (
+    compare,
+    load_stream,
+    main,
+    replay,
+    request_seconds,
+    summarise,
+    waits_path,
+)
 
 
 class _Fake(BaseHTTPRequestHandler):
     """Answers with token ids [index, index + 1] and 2 verify steps that accepted `index % 3`."""
 
     seen: list[int] = []
+    sent_after: list[tuple[int, int]] = []  # (request, learner rounds finished when it came)
+    learner_rounds = 0
+    round_size = 0  # > 0: a learner behind the server finishing a round once it has served it
     inflight = peak = 0
     fail_first: set[int] = set()
     lock = threading.Lock()
@@ -27,6 +39,12 @@ class _Fake(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/lightning-spec/status":
+            cls = type(self)
+            with self.lock:  # the learner takes its time: one round per status poll at most
+                if cls.round_size and len(cls.seen) >= (cls.learner_rounds + 1) * cls.round_size:
+                    cls.learner_rounds += 1
+            return self._json(200, {"learner_rounds": cls.learner_rounds})
         self._json(200, {"data": [{"id": "fake"}]})
 
     def do_POST(self) -> None:  # noqa: N802
@@ -36,6 +54,7 @@ class _Fake(BaseHTTPRequestHandler):
             type(self).inflight += 1
             type(self).peak = max(self.peak, self.inflight)
             type(self).seen.append(index)
+            type(self).sent_after.append((index, type(self).learner_rounds))
         time.sleep(0.02)
         with self.lock:
             type(self).inflight -= 1
@@ -64,6 +83,7 @@ class _Fake(BaseHTTPRequestHandler):
 @pytest.fixture
 def server():  # noqa: ANN201
     _Fake.seen, _Fake.inflight, _Fake.peak, _Fake.fail_first = [], 0, 0, set()
+    _Fake.sent_after, _Fake.learner_rounds, _Fake.round_size = [], 0, 0
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -117,3 +137,60 @@ def test_a_stream_line_without_a_prompt_is_named(tmp_path: Path) -> None:
     path.write_text('{"prompt": "hi"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         load_stream(path)
+
+
+def test_in_series_each_round_waits_for_the_learner_and_the_waits_are_kept(
+    server: str, tmp_path: Path
+) -> None:
+    _Fake.round_size = 3
+    requests = load_stream(_stream(tmp_path / "s.jsonl", 7))
+    out = tmp_path / "learn.jsonl"
+    replay(server, requests, out, concurrency=2, in_series=3)
+    # no request of round r is sent before the learner has finished round r - 1
+    assert all(rounds >= index // 3 for index, rounds in _Fake.sent_after)
+    assert sorted(_Fake.seen) == list(range(7))
+    waits = [json.loads(line) for line in waits_path(out).read_text().splitlines()]
+    assert [w["round"] for w in waits] == [0, 1]  # the last partial round is not waited for
+    assert all(w["round_size"] == 3 and not w["timed_out"] for w in waits)
+
+
+def test_arms_are_paired_over_requests_with_the_learner_waits_charged(tmp_path: Path) -> None:
+    def write(path: Path, accepted: list[int], seconds: float, tokens: list[list[int]]) -> Path:
+        rows = [
+            {"index": i, "ok": True, "seconds": seconds, "token_ids": t, "completion_tokens": 4,
+             "steps": 2, "accepted": a}
+            for i, (a, t) in enumerate(zip(accepted, tokens, strict=True))
+        ]  # fmt: skip
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return path
+
+    same = [[1, 2, 3, 4]] * 4
+    base = write(tmp_path / "frozen.jsonl", [1, 1, 1, 1], 1.0, same)
+    arm = write(tmp_path / "learn.jsonl", [2, 2, 2, 2], 0.5, same[:3] + [[9, 9, 9, 9]])
+    waits_path(arm).write_text(json.dumps({"round": 0, "round_size": 2, "seconds": 1.0}) + "\n")
+    assert request_seconds(
+        [json.loads(line) for line in arm.read_text().splitlines()],
+        [{"round": 0, "round_size": 2, "seconds": 1.0}],
+    ) == {0: 1.0, 1: 1.0, 2: 0.5, 3: 0.5}
+    report = compare(base, [arm], resamples=200)
+    entry = report["arms"][str(arm)]
+    assert report["requests"] == 4 and entry["differing_replies"] == 1
+    assert entry["acceptance"] == pytest.approx(2.0) and entry["acceptance_base"] == pytest.approx(
+        1.5
+    )
+    assert entry["acceptance_change"] == pytest.approx(2.0 / 1.5 - 1)
+    # 16 tokens in 3 s (two requests carry half a second of learner wait each) against 16 in 4 s
+    assert entry["tokens_per_s_change"] == pytest.approx((16 / 3) / (16 / 4) - 1)
+    low, high = entry["acceptance_change_ci"]
+    assert low == pytest.approx(high) == pytest.approx(2.0 / 1.5 - 1)  # every request alike
+
+
+def test_an_online_configs_stream_dumped_is_what_the_client_sends(tmp_path: Path) -> None:
+    from lightning_spec.cli.online import dump_stream
+    from lightning_spec.online.stream import Request
+
+    requests = [Request(i, "d", f"id{i}", [1, 2, 3 + i]) for i in range(3)]
+    dump_stream(requests, tmp_path / "s.jsonl")
+    assert load_stream(tmp_path / "s.jsonl") == [
+        {"id": f"id{i}", "prompt_ids": [1, 2, 3 + i]} for i in range(3)
+    ]

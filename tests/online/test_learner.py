@@ -1,8 +1,10 @@
 """online/learner.py on a tiny target, with our decoder standing in for the server: rounds from the
 spool are learned from the captured rows (a target pass only where rows are missing), each
 update is pushed with its sha256, a refused push leaves the served drafter, a drafter whose
-traffic accepts less is rolled back, and a learner killed between rounds resumes without
-learning a request twice."""
+traffic accepts less is rolled back, a learner killed between rounds resumes without learning a
+request twice (and pushes the drafter it last served), the update schedule skips rounds as it
+settles and learns again on drift, and a strategy that reads no records gets the replay's
+features and labels without a replay."""
 
 from __future__ import annotations
 
@@ -18,7 +20,12 @@ from lightning_spec.models.target import TargetModel
 from lightning_spec.models.tiny import tiny_config
 from lightning_spec.online.capture import CapturedRequest
 from lightning_spec.online.engines import PushFailed
-from lightning_spec.online.learner import LearnerSettings, round_feedback, run_learner
+from lightning_spec.online.learner import (
+    LearnerSettings,
+    UpdateSchedule,
+    round_feedback,
+    run_learner,
+)
 from lightning_spec.online.spool import SpoolReader, SpoolWriter
 from lightning_spec.online.strategies import make_strategy
 from tests.conftest import load_module
@@ -134,8 +141,10 @@ def test_a_killed_learner_resumes_without_learning_a_request_twice(
         path.rename(tmp_path / "spool" / path.name)
     again = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
     settings.max_rounds = 2
-    rows = run_learner(target, again, POLICY, SpoolReader(tmp_path / "spool"), _Server(), settings)
+    restarted = _Server()  # a server restarted with its starting drafter
+    rows = run_learner(target, again, POLICY, SpoolReader(tmp_path / "spool"), restarted, settings)
     assert [r["round"] for r in rows] == [1, 2]
+    assert restarted.pushed[0][0].name == "round-00000"  # the last served drafter, pushed again
     for key, value in first.drafter.state_dict().items():  # resumed from the checkpoint
         assert (
             key in again.drafter.state_dict()
@@ -158,3 +167,47 @@ def test_requests_that_cannot_be_learned_from_are_counted(target: TargetModel) -
     generations, counts = round_feedback(target, drafter, POLICY, entries, 8)
     assert len(generations) == 1
     assert counts == {"captured": 1, "skipped_not_greedy": 1, "skipped_too_short": 1}
+
+
+def test_feedback_without_records_is_the_replay_s_features_and_labels(target: TargetModel) -> None:
+    from lightning_spec.online.spool import SpoolEntry
+
+    drafter = HELPERS._drafter(target)
+    entries = [SpoolEntry(Path(str(i)), _captured(target, i, [1, 0])) for i in range(2)]
+    replayed, _ = round_feedback(target, drafter, POLICY, entries, 8)
+    direct, counts = round_feedback(target, drafter, POLICY, entries, 8, records=False)
+    assert counts == {"captured": 2}
+    for a, b in zip(replayed, direct, strict=True):
+        assert a.records and not b.records  # no drafting happened
+        assert a.prompt == b.prompt and a.tokens == b.tokens
+        assert torch.equal(a.features, b.features)
+        assert torch.equal(a.label_ids, b.label_ids)
+        assert torch.equal(a.label_logprobs, b.label_logprobs)
+
+
+def test_the_schedule_spaces_updates_out_and_learns_again_on_drift() -> None:
+    schedule = UpdateSchedule(growth=1.5, max_gap=4, drift_margin=0.1)
+    decisions = [schedule.decide(i, 2.0) for i in range(16)]
+    assert [i for i, d in enumerate(decisions) if d == "learn"] == [0, 1, 2, 4, 7, 11, 15]
+    assert schedule.decide(16, 1.5) == "drift"  # 25% below the recent mean
+    after = [schedule.decide(i, 1.5) for i in range(17, 28)]
+    assert "skip" not in after[:3]  # every round again until the new level is the recent mean
+    assert after.count("skip") >= 3  # then the gaps grow again
+    assert UpdateSchedule().decide(5, 0.1) == "learn"  # growth 1: every round, drift or not
+    with pytest.raises(ValueError, match="growth"):
+        UpdateSchedule(growth=0.5)
+
+
+def test_a_scheduled_learner_skips_rounds_but_acknowledges_them(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    writer = SpoolWriter(tmp_path / "spool")
+    for i in range(8):
+        writer.put(_captured(target, i, [1, 1]))
+    strategy = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    server = _Server()
+    settings = LearnerSettings(tmp_path / "learner", round_size=2, max_rounds=4, poll_seconds=0,
+                               update_growth=2.0, max_gap=4)  # fmt: skip
+    rows = run_learner(target, strategy, POLICY, SpoolReader(tmp_path / "spool"), server, settings)
+    assert [r["learned"] for r in rows] == [2, 2, 0, 2]  # rounds 0, 1, then a gap of 2
+    assert len(server.pushed) == 3 and SpoolReader(tmp_path / "spool").pending() == []

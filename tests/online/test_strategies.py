@@ -27,7 +27,9 @@ from lightning_spec.online.strategies import make_strategy, timed_served_loss
 from lightning_spec.online.stream import Request
 from tests.conftest import load_module
 
-HELPERS = load_module(Path(__file__).parents[1] / "objectives" / "test_sft.py", "sft_helpers_online")
+HELPERS = load_module(
+    Path(__file__).parents[1] / "objectives" / "test_sft.py", "sft_helpers_online"
+)
 POLICY = "dynamic:3,3,8"
 
 
@@ -39,7 +41,9 @@ def target() -> TargetModel:
 def _requests(count: int = 6) -> list[Request]:
     generator = torch.Generator().manual_seed(4)
     return [
-        Request(i, "abcd"[i // 3], f"r{i}", torch.randint(3, 128, (6,), generator=generator).tolist())
+        Request(
+            i, "abcd"[i // 3], f"r{i}", torch.randint(3, 128, (6,), generator=generator).tolist()
+        )
         for i in range(count)
     ]
 
@@ -137,7 +141,9 @@ def test_optimistic_update_uses_the_last_gradient_as_hint(target: TargetModel) -
         torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
     split = make_strategy("optimistic", drafter, lr=lr, epochs=3, minibatch=1)
     # a request whose every label lies outside the 48-token draft vocabulary gives no step
-    labelled = sum(online_loss(drafter, feedback_batch([g]), ttt_steps=2)[1] > 0 for g in generations)
+    labelled = sum(
+        online_loss(drafter, feedback_batch([g]), ttt_steps=2)[1] > 0 for g in generations
+    )
     assert labelled >= 1
     assert split.update(generations)["optimizer_steps"] == 3.0 * labelled
     resumed = make_strategy("optimistic", drafter, lr=lr, epochs=3, minibatch=1)
@@ -298,7 +304,9 @@ def test_topk_hits_counts_the_label_among_the_k_most_likely_tokens() -> None:
 
 
 def test_a_replayed_stream_equals_the_live_one(
-    target: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    target: TargetModel,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Answers generated once in batches and replayed give every request the tau, tokens and
@@ -328,8 +336,10 @@ def test_a_replayed_stream_equals_the_live_one(
     assert [r["verifications"] for r in replayed] == [r["verifications"] for r in live]
     assert all(r["replayed"] and r["tokens_per_s"] is None for r in replayed)
     replayed_rounds = [json.loads(line) for line in (tmp_path / "replayed" / "rounds.jsonl").open()]
-    assert all(r["replay_seconds"] > 0 and r["net_tokens_per_s"] != r["net_tokens_per_s"]
-               for r in replayed_rounds)  # fmt: skip  (replay time is not serving time: NaN)
+    assert all(
+        r["replay_seconds"] > 0 and r["net_tokens_per_s"] != r["net_tokens_per_s"]
+        for r in replayed_rounds
+    )  # fmt: skip  (replay time is not serving time: NaN)
     assert not any(r["replayed"] for r in live)
     # live_check: decoded live, each output checked against its known greedy answer
     wrong = [list(a) for a in answers]
@@ -345,7 +355,10 @@ def test_a_replayed_stream_equals_the_live_one(
     assert [r["greedy_mismatches"] for r in rounds] == [0.0, 1.0, 0.0]
     # a second call reads the cache and generates nothing; another length is refused
     monkeypatch.setattr(regenerate, "greedy_answers", lambda *a, **k: pytest.fail("generated"))
-    assert stream_continuations(target, requests, max_new_tokens=10, cache=cache, progress=False) == answers
+    assert (
+        stream_continuations(target, requests, max_new_tokens=10, cache=cache, progress=False)
+        == answers
+    )
     with pytest.raises(ValueError, match="another target or length"):
         stream_continuations(target, requests, max_new_tokens=11, cache=cache, progress=False)
     # another stream with the same ids but other prompts gets its own answers from the cache
@@ -401,7 +414,9 @@ def test_the_reference_round_recipe_and_its_options(target: TargetModel) -> None
     ensemble = make_strategy("ensemble", drafter, lr=1e-3, learners=2, restart=True, epochs=1)
     ensemble.update(generations)
     for learner in ensemble.learners:
-        for mine, mean in zip(learner.drafter.parameters(), ensemble.drafter.parameters(), strict=True):
+        for mine, mean in zip(
+            learner.drafter.parameters(), ensemble.drafter.parameters(), strict=True
+        ):
             assert torch.equal(mine, mean)
         assert not learner.optimizer.state  # each round's learners start a fresh optimizer
 
@@ -646,3 +661,18 @@ def test_served_totals_sum_live_requests_only() -> None:
     summary = prequential_summary(rows)
     assert summary["prequential_tokens_per_s"] == pytest.approx(40 / 1.5)  # not the mean rate 35
     assert summary["prequential_tau"] == 3.0
+
+
+def test_ogd_under_bf16_autocast_learns_and_keeps_fp32_weights(target: TargetModel) -> None:
+    from lightning_spec.online.strategies import bf16_autocast_wanted
+
+    drafter = HELPERS._drafter(target)
+    decoder = SpeculativeDecoder(target, drafter, parse_tree_spec(POLICY), keep_features=True)
+    generations = [decoder.generate(r.prompt, 16, stop_on_eos=False) for r in _requests(3)]
+    ogd = make_strategy("ogd", drafter, lr=3e-3, epochs=3, minibatch=1, autocast=True)
+    first, second = ogd.update(generations), ogd.update(generations)
+    assert math.isfinite(first["train_loss"]) and second["online_loss"] < first["online_loss"]
+    assert all(p.dtype == torch.float32 for p in ogd.drafter.parameters())  # AdamW's master copy
+    assert bf16_autocast_wanted(False) is False and isinstance(bf16_autocast_wanted("auto"), bool)
+    with pytest.raises(ValueError, match="autocast"):
+        make_strategy("ogd", drafter, autocast="bf16")

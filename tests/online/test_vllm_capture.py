@@ -20,6 +20,7 @@ from lightning_spec.models.tiny import tiny_config
 from lightning_spec.online.spool import SpoolReader
 from lightning_spec.online.vllm_capture import RunnerCapture
 from lightning_spec.online.vllm_routes import PushRefused, checked_push_folder, push
+from lightning_spec.online.vllm_routes import status as route_status
 
 K = 2
 
@@ -172,3 +173,16 @@ def test_an_engine_that_refuses_a_push_answers_409_and_one_that_takes_it_answers
         asyncio.run(push(refusing, body, root))
     assert refused.value.status == 409
     assert asyncio.run(push(taking, body, root))["served_sha256"] == "b" * 64
+
+
+def test_the_status_says_how_many_rounds_the_learner_has_finished(tmp_path: Path) -> None:
+    async def engine(method: str, args: tuple = ()) -> list:
+        return [{"served_sha256": "c" * 64, "capture_finished": 3}]
+
+    root = tmp_path / "learner"
+    assert asyncio.run(route_status(engine, str(root)))["learner_rounds"] == 0  # no learner yet
+    root.mkdir()
+    (root / "rounds.jsonl").write_text('{"round": 0}\n{"round": 1}\n')
+    answer = asyncio.run(route_status(engine, str(root)))
+    assert answer["learner_rounds"] == 2 and answer["capture_finished"] == 3
+    assert asyncio.run(route_status(engine))["learner_rounds"] == 0  # pushes off: no learner
