@@ -124,6 +124,9 @@ def serve_vllm(args: argparse.Namespace) -> int:
     if learn is not None:  # the learner reads the spool and pushes from its own folder
         args.spool = args.spool or str(out / "spool")
         args.push_root = str(out / "learner")
+    # the learner's models load before the server starts: loading them beside the first
+    # requests would slow those requests down
+    learner = _make_learner(args, learn, drafter) if learn is not None else None
     print(f"starting vllm serve on {args.host}:{args.port} (log: {out / 'vllm.log'})", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
@@ -135,8 +138,8 @@ def serve_vllm(args: argparse.Namespace) -> int:
             return stop["now"] or server.process.poll() is not None
 
         try:
-            if learn is not None:
-                _run_learner(args, learn, drafter, server.url, done)
+            if learner is not None:
+                learner(server.url, done)
             while not done():
                 time.sleep(1.0)
         except KeyboardInterrupt:
@@ -187,8 +190,9 @@ def _learn_config(path: str) -> dict:
     return config
 
 
-def _run_learner(args: argparse.Namespace, config: dict, drafter: Path, url: str, done) -> None:  # noqa: ANN001
-    """The learner beside the server (`online.learner`), until `done()`."""
+def _make_learner(args: argparse.Namespace, config: dict, drafter: Path):  # noqa: ANN202
+    """The learner beside the server (`online.learner`), loaded: call it with the server's URL
+    and a `done()` to learn until `done()`."""
     import torch
 
     from lightning_spec import specs
@@ -212,10 +216,15 @@ def _run_learner(args: argparse.Namespace, config: dict, drafter: Path, url: str
     )  # fmt: skip
     # the replay must draft as the server does: vLLM drafts a chain of --k, whatever the config says
     policy = specs.resolve_tree(f"chain:{args.k}")
-    print(f"learning: {strategy.name}, rounds of {settings.round_size} served requests", flush=True)
-    run_learner(
-        target, strategy, policy, SpoolReader(args.spool), http_push(url), settings, stop=done
-    )
+
+    def learn(url: str, done) -> None:  # noqa: ANN001
+        print(f"learning: {strategy.name}, rounds of {settings.round_size} served requests",
+              flush=True)  # fmt: skip
+        run_learner(
+            target, strategy, policy, SpoolReader(args.spool), http_push(url), settings, stop=done
+        )
+
+    return learn
 
 
 def main(argv: list[str] | None = None) -> int:
