@@ -12,8 +12,10 @@ Anchors are drawn per sequence among positions whose first predicted token is an
 token (as in DFlash training, random anchors rather than every position: blocks overlap, and
 a few per sequence cover it). Slots past the sequence or on non-assistant tokens are masked.
 Slot weights: ``decay`` (exp(-(k - 1) / gamma), the DFlash paper), ``acceptance`` (the chance
-the chain reaches slot k under the current drafter, `losses.expected_acceptance_weights`) or
-``uniform``.
+the chain reaches slot k under the current drafter, `losses.expected_acceptance_weights`),
+``uniform`` or ``dpace`` (D-PACE, arXiv 2605.18810: the suffix sums of the smoothed
+confidence prefix products, `losses.dpace_weights`). The per-slot loss is soft cross-entropy
+by default, or any of `losses.SFT_LOSSES` (the LK losses optimise the acceptance rate itself).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from lightning_spec.objectives import losses
 
 __all__ = ["BLOCK_WEIGHTINGS", "BlockLosses", "block_sft_losses", "choose_anchors", "default_gamma"]
 
-BLOCK_WEIGHTINGS = ("decay", "acceptance", "uniform")
+BLOCK_WEIGHTINGS = ("decay", "acceptance", "uniform", "dpace")
 
 
 def default_gamma(block_size: int) -> float:
@@ -74,15 +76,23 @@ def block_sft_losses(
     weighting: str = "decay",
     gamma: float | None = None,
     generator: torch.Generator | None = None,
+    loss: str = "soft_ce",
+    kl_scale: float = 1.0,
+    kl_decay: float = 3.0,
+    dpace_alpha: float = 0.5,
 ) -> BlockLosses:
     """The block objective on a right-padded batch (see the module docstring).
 
     input_ids/loss_mask [B, T] (loss_mask already zero on padding), features [B, T, F];
     target_probs [B, T-1, V_draft] and target_argmax [B, T-1] (target ids) as `cached_ttt_labels`
-    gives them: index i holds the target's row i + 1.
+    gives them: index i holds the target's row i + 1. `loss` is the per-slot loss (one of
+    `losses.SFT_LOSSES`; `kl_scale`, `kl_decay`: LK^lambda's), `dpace_alpha` the confidence
+    smoothing of ``dpace`` weighting.
     """
     if weighting not in BLOCK_WEIGHTINGS:
         raise ValueError(f"weighting must be one of {BLOCK_WEIGHTINGS}, got {weighting!r}")
+    if loss not in losses.SFT_LOSSES:
+        raise ValueError(f"loss must be one of {losses.SFT_LOSSES}, got {loss!r}")
     slots = int(drafter.block_size) - 1  # type: ignore[attr-defined]
     gamma = default_gamma(slots + 1) if gamma is None else float(gamma)
     device = input_ids.device
@@ -123,11 +133,25 @@ def block_sft_losses(
         weights = losses.block_slot_decay(slots=slots, gamma=gamma).to(device)
     elif weighting == "acceptance":
         weights = losses.expected_acceptance_weights(draft_logits=logits, target_probs=probs)
+    elif weighting == "dpace":
+        with torch.no_grad():  # confidence exp(-CE) of each slot in its (soft) label
+            cross_entropy = losses.distribution_loss_rows(
+                loss="soft_ce", draft_logits=logits, target_probs=probs
+            )  # [A, S]
+        weights = losses.dpace_weights(
+            confidence=torch.exp(-cross_entropy), mask=mask, alpha=dpace_alpha
+        )
     else:
         weights = torch.ones(slots, device=device)
-    loss, per_slot = losses.block_cross_entropy(
-        logits=logits, target_probs=probs, weights=weights, mask=mask
-    )
+    if loss == "soft_ce":  # the default, computed exactly as before the option existed
+        total, per_slot = losses.block_cross_entropy(
+            logits=logits, target_probs=probs, weights=weights, mask=mask
+        )
+    else:
+        rows = losses.distribution_loss_rows(
+            loss=loss, draft_logits=logits, target_probs=probs, kl_scale=kl_scale, kl_decay=kl_decay
+        )  # [A, S]
+        total, per_slot = losses.block_weighted_mean(per_slot=rows, weights=weights, mask=mask)
     with torch.no_grad():
         matches = losses.top1_matches(
             draft_logits=logits, target_argmax=argmax, draft_ids=draft_ids
@@ -139,4 +163,4 @@ def block_sft_losses(
             ]
         )
     counts = mask.float().sum(dim=0)
-    return BlockLosses(loss, per_slot.detach(), accuracy, counts, int(mask[:, 0].sum()))
+    return BlockLosses(total, per_slot.detach(), accuracy, counts, int(mask[:, 0].sum()))

@@ -16,6 +16,8 @@ Sections:
    weights, the combined loss; arXiv 2605.29343
 7. Online preference updates (OnlineSpec's DPO variant): the DPO loss
 8. Block drafters (DFlash): slot weights (exponential decay, expected acceptance), the block loss
+9. Acceptance-aligned losses: LK losses (arXiv 2602.23881) and D-PACE slot weights
+   (arXiv 2605.18810)
 """
 
 from __future__ import annotations
@@ -28,13 +30,18 @@ from lightning_spec.decoding.acceptance import branch_values_from_factors, tree_
 from lightning_spec.decoding.tree import DraftTree
 
 __all__ = [
+    "SFT_LOSSES",
+    "acceptance_rate_rows",
     "bernoulli_forward_kl",
     "block_cross_entropy",
     "block_position_weights",
     "block_slot_decay",
+    "block_weighted_mean",
     "clipped_surrogate",
     "dpo_loss",
     "expected_acceptance_weights",
+    "distribution_loss_rows",
+    "dpace_weights",
     "draft_opd_loss",
     "forward_kl_rows",
     "k3_reverse_kl",
@@ -43,6 +50,12 @@ __all__ = [
     "gto_tree_reward",
     "group_advantages",
     "kl_divergence",
+    "kl_rows",
+    "lk_alpha_loss",
+    "lk_alpha_rows",
+    "lk_lambda_loss",
+    "lk_lambda_rows",
+    "lk_lambda_weight",
     "masked_mean",
     "sequence_ratio",
     "restrict_to_draft_vocab",
@@ -314,9 +327,10 @@ def draft_opd_loss(
     rejected = masked_mean(values=weights * rejected_kl, mask=rejected_mask)
     if normalization == "pooled":
         acc_mask, rej_mask = accepted_mask.float(), rejected_mask.float() * weights
-        numerator = lambda_accepted * (accepted_kl.float() * acc_mask).sum() + lambda_rejected * (
-            rejected_kl.float() * rej_mask
-        ).sum()
+        numerator = (
+            lambda_accepted * (accepted_kl.float() * acc_mask).sum()
+            + lambda_rejected * (rejected_kl.float() * rej_mask).sum()
+        )
         denominator = lambda_accepted * acc_mask.sum() + lambda_rejected * rej_mask.sum()
         total = numerator / denominator.clamp_min(1e-12)
         # the rejected stream's own weighted mean, so total = (N_acc L_acc + sum w L_rej) / (...)
@@ -381,6 +395,18 @@ def block_cross_entropy(
     """
     log_q = F.log_softmax(logits.float(), dim=-1)
     per_slot = -(target_probs.float() * log_q).sum(dim=-1)  # [A, S]
+    return block_weighted_mean(per_slot=per_slot, weights=weights, mask=mask)
+
+
+def block_weighted_mean(
+    *, per_slot: Tensor, weights: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(weighted loss, per-slot losses [S]) of any per-slot loss rows `per_slot` [A, S].
+
+    The loss is sum(w * mask * l) / sum(w * mask) with weights [S] or [A, S] and mask [A, S];
+    an empty mask gives 0. Per-slot losses are unweighted masked means. `block_cross_entropy`
+    is this reduction over soft cross-entropy rows; the LK losses reuse it unchanged.
+    """
     valid = mask.float()
     weighted = weights.to(per_slot.device).float().expand_as(per_slot) * valid
     total = (weighted * per_slot).sum() / weighted.sum().clamp_min(1e-12)
@@ -388,3 +414,153 @@ def block_cross_entropy(
         [masked_mean(values=per_slot[:, k], mask=valid[:, k]) for k in range(per_slot.shape[1])]
     )
     return total, slots
+
+
+# --------------------------------------------------------------------------------------------
+# 9. Acceptance-aligned losses (docs/training.md, "Loss options")
+# --------------------------------------------------------------------------------------------
+# KL and cross-entropy are proxies: what speculative sampling rewards is the overlap
+# alpha = sum_v min(p(v), q(v)) = 1 - TV(p, q), the chance a draft from q is accepted by the
+# target p. The LK losses (Samarin et al., "LK Losses: Direct Acceptance Rate Optimization for
+# Speculative Decoding", arXiv 2602.23881) optimise alpha itself. D-PACE (arXiv 2605.18810)
+# instead reweights a block drafter's slots by how much each one can still add to the expected
+# accepted length. p is always the target's distribution over the draft vocabulary, the soft
+# label SFT already computes.
+
+SFT_LOSSES = ("soft_ce", "kl", "lk_alpha", "lk_lambda")
+"""Per-position losses of `SFT` (`loss:`): soft cross-entropy H(p, q) (the default, EAGLE-3's),
+forward KL(p || q) (same gradient, 0 at q = p), LK^alpha = -log alpha, LK^lambda (a KL / TV
+blend driven by alpha)."""
+
+LK_EPS = 1e-6
+"""Floor of alpha under the log of LK^alpha: disjoint supports give a finite loss."""
+
+
+def _at_least_float32(tensor: Tensor) -> torch.dtype:
+    """float32 for half-precision inputs, float64 kept (so gradcheck can run in float64)."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def acceptance_rate_rows(*, draft_logits: Tensor, target_probs: Tensor) -> Tensor:
+    """[...] alpha = sum_v min(p(v), q(v)), q = softmax(`draft_logits` [..., V]), p =
+    `target_probs` [..., V]: the chance that a token drafted from q passes speculative sampling
+    against p (1 - total variation). Differentiable in the logits (unlike
+    `expected_acceptance_weights`, which is a detached weight)."""
+    q = torch.softmax(draft_logits.to(_at_least_float32(draft_logits)), dim=-1)  # [..., V]
+    return torch.minimum(q, target_probs.to(q.dtype)).sum(dim=-1)
+
+
+def kl_rows(*, draft_logits: Tensor, target_probs: Tensor) -> Tensor:
+    """[...] forward KL(p || q) per position (0 where p = q; terms with p(v) = 0 are 0)."""
+    log_q = F.log_softmax(draft_logits.to(_at_least_float32(draft_logits)), dim=-1)  # [..., V]
+    p = target_probs.to(log_q.dtype)
+    log_p = torch.log(p.clamp_min(torch.finfo(log_q.dtype).tiny))
+    return torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(dim=-1)
+
+
+def lk_alpha_rows(*, draft_logits: Tensor, target_probs: Tensor, eps: float = LK_EPS) -> Tensor:
+    """[...] LK^alpha = -log max(alpha, eps) per position. Its gradient is grad(TV) / alpha:
+    the 1 / alpha factor keeps the signal strong when the overlap is small (a cold start),
+    where 1 - alpha alone barely moves; for a one-hot p it is the cross-entropy."""
+    alpha = acceptance_rate_rows(draft_logits=draft_logits, target_probs=target_probs)
+    return -torch.log(alpha.clamp_min(eps))
+
+
+def lk_lambda_weight(*, alpha: Tensor, kl_scale: float = 1.0, kl_decay: float = 3.0) -> Tensor:
+    """[...] w = kl_scale * exp(-kl_decay * alpha), detached: the KL share of LK^lambda. Near 1
+    at a small overlap (KL's strong gradient pulls the drafter in) and kl_scale * exp(-kl_decay)
+    at alpha = 1 (mostly the acceptance term). kl_decay 3 is the paper's best setting (eta = 3)."""
+    return kl_scale * torch.exp(-kl_decay * alpha.detach())
+
+
+def lk_lambda_rows(
+    *, draft_logits: Tensor, target_probs: Tensor, kl_scale: float = 1.0, kl_decay: float = 3.0
+) -> Tensor:
+    """[...] LK^lambda = w KL(p || q) + (1 - w) (1 - alpha) per position, w from
+    `lk_lambda_weight` (a constant in the gradient). The blend is per position, as in vLLM
+    speculators' version (SpecForge blends the batch means of KL and alpha instead). With
+    kl_scale > 1, 1 - w is negative at small alpha: the blend is then no longer convex."""
+    alpha = acceptance_rate_rows(draft_logits=draft_logits, target_probs=target_probs)
+    weight = lk_lambda_weight(alpha=alpha, kl_scale=kl_scale, kl_decay=kl_decay)
+    kl = kl_rows(draft_logits=draft_logits, target_probs=target_probs)
+    return weight * kl + (1.0 - weight) * (1.0 - alpha)
+
+
+def distribution_loss_rows(
+    *,
+    loss: str,
+    draft_logits: Tensor,
+    target_probs: Tensor,
+    kl_scale: float = 1.0,
+    kl_decay: float = 3.0,
+) -> Tensor:
+    """[...] the per-position loss `loss` (one of `SFT_LOSSES`) of draft logits [..., V]
+    against the target's probabilities [..., V]; the objectives reduce it (masked mean per TTT
+    step, weighted mean over block slots)."""
+    if loss == "soft_ce":
+        log_q = F.log_softmax(draft_logits.float(), dim=-1)
+        return -(target_probs.float() * log_q).sum(dim=-1)
+    if loss == "kl":
+        return kl_rows(draft_logits=draft_logits, target_probs=target_probs)
+    if loss == "lk_alpha":
+        return lk_alpha_rows(draft_logits=draft_logits, target_probs=target_probs)
+    if loss == "lk_lambda":
+        return lk_lambda_rows(
+            draft_logits=draft_logits,
+            target_probs=target_probs,
+            kl_scale=kl_scale,
+            kl_decay=kl_decay,
+        )
+    raise ValueError(f"loss must be one of {SFT_LOSSES}, got {loss!r}")
+
+
+def lk_alpha_loss(
+    *, draft_logits: Tensor, target_probs: Tensor, mask: Tensor, eps: float = LK_EPS
+) -> Tensor:
+    """Masked mean of LK^alpha over positions [...] (`lk_alpha_rows`); 0 for an empty mask."""
+    rows = lk_alpha_rows(draft_logits=draft_logits, target_probs=target_probs, eps=eps)
+    return masked_mean(values=rows, mask=mask)
+
+
+def lk_lambda_loss(
+    *,
+    draft_logits: Tensor,
+    target_probs: Tensor,
+    mask: Tensor,
+    kl_scale: float = 1.0,
+    kl_decay: float = 3.0,
+) -> Tensor:
+    """Masked mean of LK^lambda over positions [...] (`lk_lambda_rows`); 0 for an empty mask."""
+    rows = lk_lambda_rows(
+        draft_logits=draft_logits, target_probs=target_probs, kl_scale=kl_scale, kl_decay=kl_decay
+    )
+    return masked_mean(values=rows, mask=mask)
+
+
+def dpace_weights(*, confidence: Tensor, mask: Tensor | None = None, alpha: float = 0.5) -> Tensor:
+    """[..., S] D-PACE slot weights, no gradient (arXiv 2605.18810, Eqs. 7-8; SpecForge #578).
+
+    confidence [..., S]: the drafter's confidence q_k in slot k's label, exp(-CE_k) (the
+    paper's q_k = q(x_k) for a hard label; for our soft labels exp(-H(p_k, q_k))). Smoothed
+    c_k = (1 - alpha) q_k + alpha (Eq. 7), then w_j = sum_{m >= j} prod_{i <= m} c_i (Eq. 8):
+    the derivative of the expected accepted length sum_m prod_{i <= m} c_i with respect to
+    log c_j, i.e. how much slot j can still add. Unlike the fixed decay, the weight moves to
+    later slots as the early ones become reliable. Masked slots (`mask` [..., S] false: past
+    the sequence, not an assistant token) pass through (c = 1) and add no term of their own,
+    as SpecForge #578 treats them.
+
+    Two differences from the paper and SpecForge, both ours: the confidence of a soft label is
+    exp(-H(p, q)) (theirs: q of the data's next token, hard cross-entropy), and the block
+    objective divides by the weight mass, sum(w * mask * loss) / sum(w * mask), as it does
+    for every `block_weighting` (theirs: sum(w * mask * loss) over a sequence's blocks, so the
+    loss scale grows as the drafter improves). The shape of the weights over the slots is the
+    paper's; their overall scale is not.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"dpace alpha must be in [0, 1], got {alpha}")
+    with torch.no_grad():
+        smoothed = (1.0 - alpha) * confidence.float() + alpha  # [..., S]
+        valid = torch.ones_like(smoothed) if mask is None else mask.to(smoothed.dtype)
+        smoothed = torch.where(valid > 0, smoothed, torch.ones_like(smoothed))
+        reach = torch.cumprod(smoothed, dim=-1) * valid  # prod_{i <= m} c_i, 0 where masked
+        return reach.flip(-1).cumsum(dim=-1).flip(-1)

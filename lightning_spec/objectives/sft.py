@@ -176,6 +176,10 @@ class SFT(Objective):
         anchor_feature: bool = False,
         mask_token_id: int | str | None = None,
         prepack_target: bool = False,
+        loss: str = "soft_ce",
+        lk_kl_scale: float = 1.0,
+        lk_kl_decay: float = 3.0,
+        dpace_alpha: float = 0.5,
     ) -> None:
         """
         Args:
@@ -215,7 +219,9 @@ class SFT(Objective):
             anchors_per_sequence: Block drafters: random anchors (blocks) per training sequence
                 (`objectives/block.py`); the TTT settings above are then unused.
             block_weighting: Block drafters' slot weights: decay (the DFlash paper) |
-                acceptance (the chance the chain reaches the slot) | uniform.
+                acceptance (the chance the chain reaches the slot) | uniform | dpace (D-PACE,
+                arXiv 2605.18810: weights from the drafter's own per-slot confidence, moving to
+                later slots as the early ones become reliable; `losses.dpace_weights`).
             block_gamma: The decay constant of ``decay`` (None: 7, 5, 4 for blocks of 16, 10,
                 8, else B / 2).
             seed: Seed of the anchor choice.
@@ -232,6 +238,16 @@ class SFT(Objective):
                 (features within ~1e-6 of the unpacked target's, about twice the feature tokens
                 a second on the CPUs measured; RESULTS.md, costs and pace). Where it cannot run
                 (GPU, bf16) a warning says why and the target runs unpacked.
+            loss: Per-position loss against the target's distribution p over the draft
+                vocabulary, at every TTT step (EAGLE-3, Hydra) or block slot (DFlash):
+                soft_ce (H(p, q), EAGLE-3's, the default) | kl (KL(p || q): the same gradient,
+                0 at q = p) | lk_alpha (-log alpha, alpha = sum_v min(p, q) the expected
+                acceptance rate; LK losses, arXiv 2602.23881) | lk_lambda (w KL + (1 - w)
+                (1 - alpha), w = lk_kl_scale * exp(-lk_kl_decay * alpha), detached).
+            lk_kl_scale: LK^lambda's KL weight at alpha = 0.
+            lk_kl_decay: LK^lambda's decay of the KL weight with alpha (3, the paper's best).
+            dpace_alpha: Confidence smoothing of ``block_weighting: dpace`` in [0, 1]
+                (the paper's 0.5).
         """
         if drafter_type not in ("eagle3", "hydra", "dflash"):
             raise ValueError(f"drafter_type must be eagle3, hydra or dflash, got {drafter_type!r}")
@@ -241,6 +257,10 @@ class SFT(Objective):
             raise ValueError(
                 f"SFT: block_weighting = {block_weighting!r}; choose one of {BLOCK_WEIGHTINGS}"
             )
+        from lightning_spec.objectives.losses import SFT_LOSSES
+
+        if loss not in SFT_LOSSES:
+            raise ValueError(f"SFT: loss = {loss!r}; choose one of {SFT_LOSSES}")
         # checked before the target loads or any data is prepared, each field named
         for field, value, ok in (
             ("ttt_steps", ttt_steps, ttt_steps >= 1),
@@ -252,6 +272,9 @@ class SFT(Objective):
             ("num_layers", num_layers, 1 <= num_layers <= 8),
             ("anchors_per_sequence", anchors_per_sequence, anchors_per_sequence >= 1),
             ("block_gamma", block_gamma, block_gamma is None or block_gamma > 0),
+            ("lk_kl_scale", lk_kl_scale, lk_kl_scale >= 0),
+            ("lk_kl_decay", lk_kl_decay, lk_kl_decay >= 0),
+            ("dpace_alpha", dpace_alpha, 0 <= dpace_alpha <= 1),
             ("mask_token_id", mask_token_id, mask_token_id in (None, "auto")
              or (isinstance(mask_token_id, int) and mask_token_id >= 0)),
         ):
@@ -427,7 +450,18 @@ class SFT(Objective):
             loss_mask=loss_mask,
             steps=int(self.hparams.ttt_steps),
             decay=float(self.hparams.ttt_decay),
+            **self._loss_options(),
         )
+
+    def _loss_options(self) -> dict[str, Any]:
+        """The per-position loss and its LK^lambda constants (hparams of older checkpoints
+        lack them: the defaults, soft cross-entropy)."""
+        hp = self.hparams
+        return {
+            "loss": str(hp.get("loss", "soft_ce")),
+            "kl_scale": float(hp.get("lk_kl_scale", 1.0)),
+            "kl_decay": float(hp.get("lk_kl_decay", 3.0)),
+        }
 
     def describe_nonfinite(self) -> str:
         """Names what was non-finite in the last step: the target's features or labels (the
@@ -470,6 +504,8 @@ class SFT(Objective):
             weighting=str(hp.get("block_weighting", "decay")),
             gamma=hp.get("block_gamma"),
             generator=self._anchor_generator,
+            dpace_alpha=float(hp.get("dpace_alpha", 0.5)),
+            **self._loss_options(),
         )
         return TTTResult(
             loss=result.loss,

@@ -187,22 +187,38 @@ def eagle_ttt_losses(
     loss_mask: Tensor,
     steps: int,
     decay: float,
+    loss: str = "soft_ce",
+    kl_scale: float = 1.0,
+    kl_decay: float = 3.0,
 ) -> TTTResult:
     """The EAGLE-3 TTT objective on one batch, given the target's labels (`cached_ttt_labels`).
 
     input_ids/loss_mask [B, T], features [B, T, F], target_probs [B, T-1, V_draft],
-    target_argmax [B, T-1] (target ids).
+    target_argmax [B, T-1] (target ids). `loss` (one of `losses.SFT_LOSSES`) is the
+    per-position loss of every unroll step (masked mean, then the decay weighting); `kl_scale`
+    and `kl_decay` are LK^lambda's.
     """
+    if loss not in losses.SFT_LOSSES:
+        raise ValueError(f"loss must be one of {losses.SFT_LOSSES}, got {loss!r}")
     draft_ids = draft_vocab_ids(drafter)
     masks = ttt_loss_masks(loss_mask, steps=steps)  # [K, B, L]
     outputs = ttt_unroll(drafter, input_ids=input_ids, features=features, steps=steps)
     step_losses, step_accuracy = [], []
     for step, output in enumerate(outputs):
-        step_losses.append(
-            losses.soft_cross_entropy(
+        if loss == "soft_ce":  # the default, computed exactly as before the option existed
+            step_loss = losses.soft_cross_entropy(
                 logits=output.logits, target_probs=target_probs, mask=masks[step]
             )
-        )
+        else:
+            rows = losses.distribution_loss_rows(
+                loss=loss,
+                draft_logits=output.logits,
+                target_probs=target_probs,
+                kl_scale=kl_scale,
+                kl_decay=kl_decay,
+            )  # [B, L]
+            step_loss = losses.masked_mean(values=rows, mask=masks[step])
+        step_losses.append(step_loss)
         with torch.no_grad():
             matches = losses.top1_matches(
                 draft_logits=output.logits, target_argmax=target_argmax, draft_ids=draft_ids
