@@ -251,6 +251,42 @@ def test_cli_fit_runs_and_saves_its_config(
     assert (run / "drafter" / "last" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize(
+    ("config", "options"),
+    [
+        ("configs/train/eagle3_quickstart_cpu.yaml", {"loss": "kl"}),
+        ("configs/train/eagle3_quickstart_cpu.yaml", {"loss": "lk_alpha"}),
+        (
+            "configs/train/eagle3_quickstart_cpu.yaml",
+            {"loss": "lk_lambda", "lk_kl_scale": 0.5, "lk_kl_decay": 2.0},
+        ),
+        (
+            "configs/train/dflash_quickstart_cpu.yaml",
+            {"loss": "lk_alpha", "block_weighting": "dpace", "dpace_alpha": 0.3},
+        ),
+        ("configs/train/dflash_quickstart_cpu.yaml", {"loss": "lk_lambda"}),
+    ],
+    ids=["eagle3-kl", "eagle3-lk_alpha", "eagle3-lk_lambda", "dflash-lk_alpha-dpace",
+         "dflash-lk_lambda"],
+)  # fmt: skip
+def test_cli_fit_selects_each_loss_option_from_a_config(
+    config: str, options: dict, tiny_cli_assets: dict[str, str], tmp_path: Path
+) -> None:
+    """The SFT loss options (LK losses, D-PACE slot weights; docs/training.md) are read from a
+    config overlay by `lightning-spec fit` and train (tiny target, 2 steps)."""
+    from lightning_spec.cli import main
+
+    overlay = tmp_path / "loss.yaml"
+    overlay.write_text(yaml.safe_dump({"model": {"init_args": options}}))
+    args = _tiny_fit(config, tiny_cli_assets, tmp_path, 2)
+    at = 1 + len(config_args(config))  # after the recipe's --config, before the overrides
+    args[at:at] = ["--config", str(overlay)]
+    assert main(args) == 0
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert {key: saved["model"]["init_args"][key] for key in options} == options
+    assert (tmp_path / "run" / "drafter" / "last" / "model.safetensors").is_file()
+
+
 def test_a_fit_stopped_by_sigterm_exits_non_zero_with_its_checkpoint(
     tiny_cli_assets: dict[str, str], tmp_path: Path
 ) -> None:
