@@ -44,7 +44,9 @@ KEYS = {"target", "drafter", "tree", "stream", "seed", "round_size", "max_new_to
         "strategy", "out_dir", "experiment", "threads", "prepack", "guard", "regret_window",
         "record_feedback", "replay", "replay_cache", "replay_batch", "update_every", "live_check",
         "update_beside", "engine",
-        "train_data", "allow_overlap", "drop_overlap"}  # fmt: skip
+        "train_data", "allow_overlap", "drop_overlap",
+        # read by `serve --engine vllm --learn` (online.learner); this harness has its own rounds
+        "rollback_margin", "keep_drafters", "keep_learned", "schedule"}  # fmt: skip
 
 
 def parse_value(raw: str) -> Any:
