@@ -38,12 +38,12 @@ import argparse
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from lightning_spec.http_json import RequestFailed, get_json, post_json
 
 __all__ = [
     "compare",
@@ -96,18 +96,12 @@ def send(url: str, model: str, index: int, item: dict[str, Any], max_tokens: int
     error = ""
     for _ in range(retries + 1):
         tic = time.perf_counter()
-        request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                         headers={"content-type": "application/json"})  # fmt: skip
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as answer:
-                reply = json.loads(answer.read())
-        except urllib.error.HTTPError as failure:
-            error = f"{failure.code}: {failure.read()[:300].decode(errors='replace')}"
-            if failure.code < 500:
+            reply = post_json(url + path, body, timeout=timeout)
+        except RequestFailed as failure:
+            error = str(failure)
+            if failure.client_error:
                 break  # the request itself is wrong: trying again changes nothing
-            continue
-        except (urllib.error.URLError, OSError, ValueError) as failure:
-            error = repr(failure)
             continue
         choice = reply["choices"][0]
         spec = ((reply.get("metrics") or {}).get("speculative_decoding")) or {}
@@ -143,8 +137,7 @@ def waits_path(output: str | Path) -> Path:
 
 
 def _get_json(url: str, timeout: float = 60.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as answer:
-        return json.loads(answer.read())
+    return get_json(url, timeout=timeout)
 
 
 def wait_for_learner(url: str, rounds: int, *, timeout: float = 900.0,
@@ -156,7 +149,7 @@ def wait_for_learner(url: str, rounds: int, *, timeout: float = 900.0,
     while True:
         try:
             seen = int(_get_json(url + "/lightning-spec/status").get("learner_rounds", 0))
-        except (urllib.error.URLError, OSError, ValueError):
+        except (RequestFailed, ValueError):
             pass  # a busy server answers late: keep waiting until the timeout
         waited = time.perf_counter() - tic
         if seen >= rounds or waited > timeout:

@@ -8,23 +8,62 @@ complete and only reads it. Takes exactly the arguments of `lightning-spec fit` 
 command-line overrides); the model is built too, as `fit` builds it, so a mismatch between the
 drafter's target and the data's shows here rather than hours later. Interrupted, it resumes from
 the shards already written.
+
+``--regenerate-with URL[,URL...]`` has the regeneration sent to servers that serve the target
+(vLLM, llama.cpp's llama-server, ...) instead of the target's batched ``generate`` here,
+``--concurrency N`` requests at a time on each (`data.regenerate_served`). They set the data
+module's ``regenerate_with`` and ``regenerate_concurrency``, which do not change the store, so a
+later `fit` without them finds it complete.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["engine_overrides", "main"]
 
 log = logging.getLogger(__name__)
 
 USAGE = """usage: lightning-spec prepare --config FILE.yaml [--data.init_args.X=... ...]
+                              [--regenerate-with URL[,URL...] [--concurrency N]]
 
 Build the data a `lightning-spec fit` with the same arguments would train on (render the
-dataset, regenerate answers, cache features), print what it holds, and stop without training."""
+dataset, regenerate answers, cache features), print what it holds, and stop without training.
+
+  --regenerate-with URL[,URL...]  regenerate through these OpenAI-compatible servers (vllm
+                                  serve, llama-server, lightning-spec serve --engine vllm)
+                                  instead of the target's batched generate here
+  --concurrency N                 requests in flight on each server (default 8)"""
+
+
+def engine_overrides(args: Sequence[str]) -> list[str]:
+    """`args` with ``--regenerate-with`` and ``--concurrency`` turned into the data module's
+    overrides (``--data.init_args.regenerate_with=...``, appended last so they win over the
+    configs); a malformed URL raises ValueError here, before anything is built."""
+    from lightning_spec.data.regenerate_served import parse_server_urls
+
+    parser = argparse.ArgumentParser(prog="lightning-spec prepare", add_help=False,
+                                     allow_abbrev=False)  # fmt: skip
+    parser.add_argument("--regenerate-with", default=None)
+    parser.add_argument("--concurrency", type=int, default=None)
+    known, rest = parser.parse_known_args(list(args))
+    if known.regenerate_with is None:
+        if known.concurrency is not None:
+            raise ValueError("--concurrency applies to --regenerate-with URL[,URL...]")
+        return rest
+    urls = parse_server_urls(known.regenerate_with)
+    if not urls:
+        raise ValueError("--regenerate-with needs at least one URL (http://HOST:PORT)")
+    overrides = [f"--data.init_args.regenerate_with={','.join(urls)}"]
+    if known.concurrency is not None:
+        if known.concurrency < 1:
+            raise ValueError("--concurrency must be >= 1")
+        overrides.append(f"--data.init_args.regenerate_concurrency={known.concurrency}")
+    return [*rest, *overrides]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in {"-h", "--help"}:
         print(USAGE)
         return 0 if args else 2
+    try:
+        args = engine_overrides(args)
+    except ValueError as error:
+        print(f"lightning-spec prepare: error: {error}", file=sys.stderr)
+        return 2
     from lightning_spec.cli import lightning_cli
 
     # LightningCLI reads the command line itself when not given `args` (and warns when it has

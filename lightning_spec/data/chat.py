@@ -302,3 +302,19 @@ def render_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
         raise ValueError("cannot render an empty prompt")
     text = _render(tokenizer, messages, add_generation_prompt=True)
     return list(_encode(tokenizer, text)["input_ids"])
+
+
+def render_prompt_masked(tokenizer: Any, messages: Sequence[Message]) -> RenderedConversation:
+    """`render_prompt`'s ids of ``messages`` with a loss mask on the assistant turns among them
+    (the mask `render_conversation` gives the same messages; the assistant header at the end is
+    0): the prompt of a later turn whose earlier answers are training targets too, as in
+    multi-turn regeneration. Tokens past the point where the two renderings stop agreeing (the
+    trailing header) are never marked."""
+    ids = render_prompt(tokenizer, messages)
+    if not any(message["role"] == "assistant" for message in messages):
+        return RenderedConversation(input_ids=ids, loss_mask=[0] * len(ids))
+    full = render_conversation(tokenizer, messages)
+    shared = _common_prefix(ids, full.input_ids)
+    return RenderedConversation(
+        input_ids=ids, loss_mask=full.loss_mask[:shared] + [0] * (len(ids) - shared)
+    )

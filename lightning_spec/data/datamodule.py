@@ -7,8 +7,9 @@ Modes (docs/training.md, data modes):
   feature cache). This mode was once also called ``online``; that name now belongs to
   OnlineSpec's online learning and is refused here.
 * ``regenerated``: the target's own answers to the dataset prompts (first user turn),
-  regenerated once with batched ``generate`` and cached as token shards; optional cached
-  features (``feature_cache_bytes``).
+  regenerated once with batched ``generate``, or through the servers that serve the target
+  (``regenerate_with``, every user turn with ``regenerate_turns: all``), and cached as token
+  shards; optional cached features (``feature_cache_bytes``).
 * ``mixture``: each training conversation is served once per epoch, as its regenerated
   version with probability ``regenerated_fraction`` (drawn per epoch from the seed) and as
   the dataset version otherwise, so the data budget equals the other modes'.
@@ -140,6 +141,13 @@ class RolloutDataModule(pl.LightningDataModule):
         text_format: ``auto`` (the chat template; plain-text continuation for a tokenizer
             without one, i.e. a base model), ``chat`` (the template, or a made-up role format
             without one) or ``plain`` (plain text even with a template); see `data.chat`.
+        regenerate_with: Regenerate through these OpenAI-compatible servers instead of the
+            target's batched ``generate`` here: ``http://HOST:PORT`` URLs, comma-separated or a
+            list (vLLM, llama.cpp's llama-server, ...; `data.regenerate_served`). The store is
+            the same, so a later run without servers finds it complete.
+        regenerate_concurrency: With ``regenerate_with``: requests in flight on each server.
+        regenerate_turns: ``first`` (the opening user turn) or ``all`` (every user turn, each
+            answered against the target's own earlier replies; needs ``regenerate_with``).
     """
 
     def __init__(
@@ -175,6 +183,9 @@ class RolloutDataModule(pl.LightningDataModule):
         rollout_decode_batch: int = 0,
         rollout_sft_mix: bool = False,
         text_format: str = "auto",
+        regenerate_with: str | list[str] | None = None,
+        regenerate_concurrency: int = 8,
+        regenerate_turns: str = "first",
     ) -> None:
         super().__init__()
         from lightning_spec.data.chat import TEXT_FORMATS
@@ -203,6 +214,18 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError("max_length must be > 1 and batch_size > 0")
         if max_conversations is not None and max_conversations <= 0:
             raise ValueError("max_conversations must be positive (or None for all)")
+        from lightning_spec.data.regenerate_served import parse_server_urls
+
+        servers = tuple(parse_server_urls(regenerate_with))  # a mistyped URL fails here
+        if regenerate_concurrency < 1:
+            raise ValueError("regenerate_concurrency must be >= 1")
+        if regenerate_turns not in ("first", "all"):
+            raise ValueError(f"regenerate_turns must be first or all, got {regenerate_turns!r}")
+        if regenerate_turns == "all" and not servers:
+            raise ValueError(
+                "regenerate_turns: all needs regenerate_with (servers): the batched generate "
+                "loop answers the first user turn only"
+            )
         self.save_hyperparameters()
         self.target = target
         self.dataset = dataset
@@ -234,6 +257,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self.rollout_replay = rollout_replay
         self.rollout_decode_batch = rollout_decode_batch
         self.rollout_sft_mix = rollout_sft_mix
+        self.regenerate_with = servers
+        self.regenerate_concurrency = regenerate_concurrency
+        self.regenerate_turns = regenerate_turns
         self.rollouts = OnPolicyRollouts(rollouts, lambda: self.target_model)
         self._tokenizer: Any = None
         self._target_model: Any = None
@@ -367,7 +393,9 @@ class RolloutDataModule(pl.LightningDataModule):
                     regenerate_temperature=self.regenerate_temperature,
                     feature_cache_bytes=self.feature_cache_bytes, target_dtype=self.target_dtype,
                     shard_format=self.shard_format, records_per_shard=self.records_per_shard,
-                    progress=self.progress,
+                    progress=self.progress, regenerate_with=self.regenerate_with,
+                    regenerate_concurrency=self.regenerate_concurrency,
+                    regenerate_turns=self.regenerate_turns,
                 ),
                 tokenizer=lambda: self.tokenizer,
                 target_model=lambda: self.target_model,
@@ -394,6 +422,11 @@ class RolloutDataModule(pl.LightningDataModule):
         """
         _, world_size = self._world()
         stores = self.stores
+        if self.regenerate_with and "regenerated" in self._kinds():
+            if not stores.is_complete("regenerated"):  # a silent server stops us before any work
+                from lightning_spec.data.regenerate_served import check_servers
+
+                check_servers(self.regenerate_with)
         stores.repair(self._kinds())
         if "dataset" in self._kinds():
             stores.render_dataset()

@@ -5,7 +5,9 @@ shared between processes through the store's claims (`data.claims`):
 
 * **render**: the dataset's conversations with the target's chat template (``dataset`` store);
 * **regenerate**: the target's own answers to the first user turns (``regenerated`` store),
-  a rank's share at a time under DDP;
+  a rank's share at a time under DDP, by its batched ``generate`` or through the servers that
+  serve it (``regenerate_with``, `data.regenerate_served`; every user turn with
+  ``regenerate_turns="all"``);
 * **cache features**: the target's features, final hidden states and argmax beside the token
   shards, up to a byte cap;
 * **adopt**: stores made before the content-keyed folder names are rekeyed, not recomputed;
@@ -58,6 +60,11 @@ class StoreSettings:
     shard_format: str
     records_per_shard: int
     progress: bool
+    regenerate_with: tuple[str, ...] = ()
+    """Servers that answer the prompts (`data.regenerate_served`); empty: the batched HF loop."""
+    regenerate_concurrency: int = 8
+    regenerate_turns: str = "first"
+    """``first``: answer the opening user turn; ``all``: every user turn (servers only)."""
 
 
 class DataStores:
@@ -141,6 +148,11 @@ class DataStores:
             config["target"] = self.settings.target if legacy else self.target_id
             config["target_dtype"] = self.settings.target_dtype
             config["generation"] = self.generation_settings().as_config()
+            # every turn answered is other data; the engine is not: the answers are the
+            # target's whichever engine computed them, so a store made through servers is
+            # the one a later run without them finds complete
+            if self.settings.regenerate_turns != "first":
+                config["turns"] = self.settings.regenerate_turns
         return config
 
     def store_dir(self, kind: str) -> Path:
@@ -314,21 +326,36 @@ class DataStores:
             log.warning("%s: %d conversations could not be rendered", settings.dataset, failed)
         store.mark_complete(self._complete_key(), failed=failed)
 
-    def regenerate(self, rank: int, world_size: int) -> None:
-        """This rank's share of the regeneration (resumable)."""
-        from lightning_spec.data.regenerate import PromptItem, regenerate
+    def prompt_items(self) -> list[Any]:
+        """The `PromptItem` of every selected conversation that opens with a user turn: that
+        opening (system + first user message), or the whole conversation when every turn is
+        answered (its dataset answers are replaced, never sent)."""
+        from lightning_spec.data.regenerate import PromptItem
 
-        if self.is_complete("regenerated"):
-            return
         prompts = []
         for order, conversation in self.conversations():
             try:
                 messages = conversation.prompt()
             except ValueError:
                 continue
+            if self.settings.regenerate_turns == "all":
+                messages = [dict(message) for message in conversation.messages]
             meta = {**conversation.meta, "order": order}
             prompts.append(PromptItem(conversation.id, messages=messages, meta=meta))
+        return prompts
+
+    def regenerate(self, rank: int, world_size: int) -> None:
+        """This rank's share of the regeneration (resumable): through the servers of
+        ``regenerate_with`` when there are any, else the target's batched ``generate``."""
+        from lightning_spec.data.regenerate import regenerate
+
+        if self.is_complete("regenerated"):
+            return
+        prompts = self.prompt_items()
         settings = self.settings
+        if settings.regenerate_with:
+            self._regenerate_served(prompts, rank, world_size)
+            return
         regenerate(
             self._target_on_device(),
             self._tokenizer(),
@@ -342,6 +369,38 @@ class DataStores:
             world_size=world_size,
             progress=settings.progress,
         )
+
+    def _regenerate_served(self, prompts: list[Any], rank: int, world_size: int) -> None:
+        """The regeneration through servers. A run that ends with no server left in the
+        rotation raises, so the store is not marked complete and the next run asks for the
+        rest; prompts a server refused (a 4xx) or that no server answered usably are counted
+        and left out, as too long prompts are."""
+        from lightning_spec.data.regenerate_served import regenerate_served
+
+        settings = self.settings
+        report = regenerate_served(
+            settings.regenerate_with,
+            self._tokenizer(),
+            prompts,
+            self.store("regenerated"),
+            settings=self.generation_settings(),
+            concurrency=settings.regenerate_concurrency,
+            max_length=settings.max_length,
+            records_per_shard=min(settings.records_per_shard, 64),
+            rank=rank,
+            world_size=world_size,
+            progress=settings.progress,
+            eos_token_ids=sorted(self._target_model().eos_token_ids),
+        )
+        unanswered = report.skipped.get("no_server", 0)
+        if unanswered:
+            raise RuntimeError(
+                f"{unanswered} prompts were not answered: no server was left in the rotation "
+                f"(the log says why). The {report.generated} answers of this run are stored; "
+                "run the same command again, with the servers up, to ask for the rest"
+            )
+        if report.skipped:
+            log.warning("regeneration through servers: prompts left out: %s", report.skipped)
 
     def mark_regenerated(self) -> None:
         self.store("regenerated").mark_complete(self._complete_key())
