@@ -140,15 +140,17 @@ def _get_json(url: str, timeout: float = 60.0) -> Any:
     return get_json(url, timeout=timeout)
 
 
-def wait_for_learner(url: str, rounds: int, *, timeout: float = 900.0,
-                     poll: float = 0.25) -> tuple[float, int, bool]:  # fmt: skip
+def wait_for_learner(url: str, rounds: int, *, timeout: float = 1800.0,
+                     poll: float = 1.0) -> tuple[float, int, bool]:  # fmt: skip
     """Block until the server's learner has finished `rounds` rounds (``learner_rounds`` of
-    ``/lightning-spec/status``); (seconds waited, rounds seen, timed out)."""
+    ``/lightning-spec/learner``, which does not call the engine: polling the engine would keep
+    vLLM's CPU worker spinning on a core the learner needs); (seconds waited, rounds seen,
+    timed out)."""
     tic = time.perf_counter()
     seen = 0
     while True:
         try:
-            seen = int(_get_json(url + "/lightning-spec/status").get("learner_rounds", 0))
+            seen = int(_get_json(url + "/lightning-spec/learner").get("learner_rounds", 0))
         except (RequestFailed, ValueError):
             pass  # a busy server answers late: keep waiting until the timeout
         waited = time.perf_counter() - tic
@@ -190,7 +192,7 @@ def replay(url: str, requests: Sequence[dict[str, Any]], output: str | Path, *,
         # rounds of `in_series` requests, each followed by the learner's turn; the learner's
         # count when this run starts, less the rounds already answered, aligns a resumed run
         finished = len(done) // in_series
-        base = int(_get_json(url + "/lightning-spec/status").get("learner_rounds", 0)) - finished
+        base = int(_get_json(url + "/lightning-spec/learner").get("learner_rounds", 0)) - finished
         for start in range(0, len(requests), in_series):
             chunk = [i for i in range(start, min(start + in_series, len(requests))) if i in todo]
             if not chunk:

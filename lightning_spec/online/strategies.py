@@ -137,7 +137,8 @@ class OGDStrategy:
     vocabulary follow the stream: up to n slots a round go from the tokens the stream uses least
     to those it uses most that the drafter could not draft (`online/vocab.py`). ``autocast``
     (true, false or ``auto``) runs the update's forward and backward under bf16 autocast
-    (`bf16_autocast_wanted`).
+    (`bf16_autocast_wanted`). ``served_loss: false`` skips the diagnostic ``online_loss`` (a
+    no-grad pass over the round before the update), which a learner charged to serving pays for.
     """
 
     name = "ogd"
@@ -162,9 +163,11 @@ class OGDStrategy:
         vocab_min_count: int = 2,
         protected_ids: Sequence[int] = (),
         autocast: bool | str = False,
+        served_loss: bool = True,
     ) -> None:
         self.label_top_k = kept_label_rows(labels, label_top_k)
         self.bf16 = bf16_autocast_wanted(autocast)
+        self.served_loss = bool(served_loss)
         if lr <= 0 or steps_per_round < 1 or buffer_rounds < 1:
             raise ValueError(f"{self.name} needs lr > 0, steps_per_round >= 1, buffer_rounds >= 1")
         if epochs < 0 or minibatch < 1:
@@ -202,7 +205,9 @@ class OGDStrategy:
             return {"online_loss": float("nan"), "update_seconds": 0.0, "labels": 0.0}
         miss = draft_vocab_miss(self.drafter, batch) if batch is not None else float("nan")
         if self.epochs > 0:
-            served = timed_served_loss(self.drafter, batch, self.ttt_steps)  # before any swap
+            # before any swap; a learner in series skips this diagnostic (its seconds are real)
+            served = timed_served_loss(self.drafter, batch if self.served_loss else None,
+                                       self.ttt_steps)  # fmt: skip
             swapped = self._grow(generations)
             return self._epochs(served, tic, miss, swapped)
         self._grow(generations)

@@ -10,7 +10,8 @@ Routes (JSON):
 
 * ``GET /lightning-spec/status``: the served drafter's sha256 and folder, capture counters, and
   ``learner_rounds``: how many rounds the learner writing into ``LIGHTNING_SPEC_PUSH_ROOT`` has
-  finished (a client that charges the learner in series waits on it).
+  finished. ``GET /lightning-spec/learner`` gives ``learner_rounds`` alone without calling the
+  engine (a client that charges the learner in series polls it).
 * ``POST /lightning-spec/push`` ``{"folder": ..., "sha256": ...}``: serve that drafter. Only a
   folder inside ``LIGHTNING_SPEC_PUSH_ROOT`` (the learner's output folder) is accepted: 403
   outside it, 404 without its weights, 409 when the engine refuses it (a wrong sha256, other
@@ -127,6 +128,12 @@ class LightningSpecRoutes:
                 return JSONResponse(await status(_rpc(request), os.environ.get(ENV_PUSH_ROOT)))
             except PushRefused as refused:
                 return JSONResponse({"error": refused.reason}, status_code=refused.status)
+
+        @router.get("/lightning-spec/learner")
+        async def get_learner() -> Any:
+            # no engine call: a client waiting on the learner polls this, and every engine call
+            # keeps vLLM's CPU worker busy-polling a core the learner needs
+            return JSONResponse({"learner_rounds": learner_rounds(os.environ.get(ENV_PUSH_ROOT))})
 
         @router.post("/lightning-spec/push")
         async def post_push(request: Request) -> Any:

@@ -39,7 +39,7 @@ class _Fake(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # noqa: N802
-        if self.path == "/lightning-spec/status":
+        if self.path == "/lightning-spec/learner":
             cls = type(self)
             with self.lock:  # the learner takes its time: one round per status poll at most
                 if cls.round_size and len(cls.seen) >= (cls.learner_rounds + 1) * cls.round_size:
