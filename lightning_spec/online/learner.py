@@ -228,9 +228,13 @@ def run_learner(
         _push_served(push, state)
     rows: list[dict[str, Any]] = []
     while not stop() and (settings.max_rounds is None or len(rows) < settings.max_rounds):
-        entries = reader.take(limit=settings.round_size)
-        if len(entries) < settings.round_size:
+        # count the files before loading any: loading a growing round's captured rows every
+        # poll took the cores the server was serving on
+        if len(reader.pending()) < settings.round_size:
             time.sleep(settings.poll_seconds)
+            continue
+        entries = reader.take(limit=settings.round_size)
+        if len(entries) < settings.round_size:  # unreadable files were set aside
             continue
         index = state["round"] + 1
         row: dict[str, Any] = {
