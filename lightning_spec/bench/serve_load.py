@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="lightning-spec bench load", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--stream", required=True, help="JSONL: prompt_ids, prompt or messages")
+    parser.add_argument("--stream", help="JSONL: prompt_ids, prompt or messages")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None)
@@ -321,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.output).write_text(text + "\n")
         print(text)
         return 0
-    if not args.output:
-        parser.error("--output is required to send a stream")
+    if not args.output or not args.stream:
+        parser.error("--stream and --output are required to send a stream")
     if args.concurrency < 1 or args.in_series < 0:
         parser.error("--concurrency must be >= 1 and --in-series >= 0")
     try:

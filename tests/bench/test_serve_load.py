@@ -194,3 +194,14 @@ def test_an_online_configs_stream_dumped_is_what_the_client_sends(tmp_path: Path
     assert load_stream(tmp_path / "s.jsonl") == [
         {"id": f"id{i}", "prompt_ids": [1, 2, 3 + i]} for i in range(3)
     ]
+
+
+def test_compare_from_the_command_line_needs_no_stream(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    row = {"index": 0, "ok": True, "seconds": 1.0, "token_ids": [1], "completion_tokens": 1,
+           "steps": 1, "accepted": 0}  # fmt: skip
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text(json.dumps(row) + "\n")
+    assert main(["--compare", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]) == 0
+    assert '"differing_replies": 0' in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--output", str(tmp_path / "o.jsonl")])  # sending needs a stream
