@@ -214,6 +214,29 @@ def target_answers(
     return answers
 
 
+class ShardBuffer:
+    """Finished records waiting to be written as a shard of `store`, each written shard named in
+    `report` and handed to `on_shard` (both regeneration paths write through this)."""
+
+    def __init__(self, store: RolloutStore, rank: int, report: RegenerationReport,
+                 on_shard: Callable[[ShardInfo], None] | None) -> None:  # fmt: skip
+        self.store, self.rank, self.report, self.on_shard = store, rank, report, on_shard
+        self.records: list[RolloutRecord] = []
+
+    def flush(self, count: int) -> None:
+        info = self.store.write_shard(self.records[:count], rank=self.rank)
+        del self.records[:count]
+        if info is None:  # another process listed these records first
+            return
+        self.report.shards.append(info.name)
+        if self.on_shard is not None:
+            self.on_shard(info)
+
+    def flush_all(self) -> None:
+        if self.records:
+            self.flush(len(self.records))
+
+
 def regenerate(
     target: Any,
     tokenizer: Any,
@@ -270,20 +293,8 @@ def regenerate(
     pending.sort(key=lambda pair: (len(pair[1]), pair[0].id))
     eos_ids = sorted(eos_token_ids if eos_token_ids is not None else target.eos_token_ids)
     pad_id = _pad_id(target, tokenizer, eos_ids)
-    buffer: list[RolloutRecord] = []
-
-    def flush(count: int) -> None:
-        info = store.write_shard(buffer[:count], rank=rank)
-        del buffer[:count]
-        if info is None:  # another process listed these records first
-            return
-        report.shards.append(info.name)
-        if on_shard is not None:
-            on_shard(info)
-
-    def flush_all() -> None:
-        if buffer:
-            flush(len(buffer))
+    shards = ShardBuffer(store, rank, report, on_shard)
+    buffer, flush, flush_all = shards.records, shards.flush, shards.flush_all
 
     start = time.perf_counter()
     try:

@@ -56,7 +56,12 @@ from typing import Any
 from lightning_spec.data.chat import render_prompt, render_prompt_masked
 from lightning_spec.data.claims import claimed_batches
 from lightning_spec.data.records import RolloutRecord
-from lightning_spec.data.regenerate import GenerationSettings, PromptItem, RegenerationReport
+from lightning_spec.data.regenerate import (
+    GenerationSettings,
+    PromptItem,
+    RegenerationReport,
+    ShardBuffer,
+)
 from lightning_spec.data.rollouts import RolloutStore
 from lightning_spec.data.shards import ShardInfo
 from lightning_spec.http_json import RequestFailed, get_json, post_json
@@ -834,20 +839,8 @@ def regenerate_served(
         ready, tokenizer, settings=settings, max_length=max_length, eos_ids=sorted(eos_token_ids),
         retries=retries, backoff=backoff, timeout=timeout, dispatch=dispatch, report=report,
     )  # fmt: skip
-    buffer: list[RolloutRecord] = []
-
-    def flush(count: int) -> None:
-        info = store.write_shard(buffer[:count], rank=rank)
-        del buffer[:count]
-        if info is None:  # another process listed these records first
-            return
-        report.shards.append(info.name)
-        if on_shard is not None:
-            on_shard(info)
-
-    def flush_all() -> None:
-        if buffer:
-            flush(len(buffer))
+    shards = ShardBuffer(store, rank, report, on_shard)
+    buffer, flush, flush_all = shards.records, shards.flush, shards.flush_all
 
     def count(outcome: _Outcome) -> None:
         report.new_tokens += outcome.new_tokens
