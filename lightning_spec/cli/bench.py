@@ -78,6 +78,10 @@ SUITE: dict[str, tuple[str, str]] = {
         "lightning_spec.bench.serve_load",
         "replay a request stream against an OpenAI-compatible server at a set concurrency",
     ),
+    "gpu-check": (
+        "lightning_spec.bench.gpu_check",
+        "fit, lossless decoding, rollouts and ONNX export on CUDA in one short check (--dry: CPU)",
+    ),
 }
 
 
