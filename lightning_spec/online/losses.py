@@ -16,6 +16,7 @@ choice there is the committed token at a + k, the hard label at T = 0.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -27,6 +28,9 @@ from lightning_spec.objectives.ttt import draft_vocab_ids, ttt_loss_masks, ttt_u
 
 __all__ = [
     "LABELS",
+    "ONLINE_LOSSES",
+    "OnlineLoss",
+    "dense_targets",
     "draft_vocab_miss",
     "epoch_minibatches",
     "feedback_batch",
@@ -154,24 +158,62 @@ def epoch_minibatches(
             yield from minibatches(batch, size, generator)
 
 
-def _ttt_cross_entropy(
-    log_qs: list[Tensor], ids: Tensor, probs: Tensor, masks: Tensor, decay: float
-) -> Tensor:
-    """The TTT loss: per step the masked mean of -sum_k p_k log q(id_k) ([B, T-1, k] targets:
-    one-hot hard labels are k = 1 with p = 1)."""
-    step_losses = [
-        losses.masked_mean(values=-(probs * log_q.gather(-1, ids)).sum(-1), mask=masks[step])
-        for step, log_q in enumerate(log_qs)
-    ]
+ONLINE_LOSSES = ("soft_ce", "lk_alpha", "lk_lambda")
+"""What an online update minimises per drafted position: cross-entropy to the target's kept
+distribution (the reference's), or an LK loss (`objectives.losses`: -log of the acceptance rate
+alpha = sum_v min(p_v, q_v), or its KL blend), which aims at the acceptance OnlineSpec counts."""
+
+
+@dataclass(frozen=True)
+class OnlineLoss:
+    """Which `ONLINE_LOSSES` member, with the LK^lambda blend's constants."""
+
+    kind: str = "soft_ce"
+    kl_scale: float = 1.0
+    kl_decay: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ONLINE_LOSSES:
+            raise ValueError(f"the online loss must be one of {ONLINE_LOSSES}, got {self.kind!r}")
+
+
+def dense_targets(ids: Tensor, probs: Tensor, width: int) -> Tensor:
+    """[..., width] probabilities from kept rows (ids [..., k], probs [..., k]); padded slots
+    carry probability 0, so where they point does not matter."""
+    dense = torch.zeros(*ids.shape[:-1], width, dtype=probs.dtype, device=probs.device)
+    return dense.scatter_add_(-1, ids, probs)
+
+
+def _ttt_loss(
+    log_qs: list[Tensor], ids: Tensor, probs: Tensor, masks: Tensor, decay: float,
+    loss: OnlineLoss = OnlineLoss(),
+) -> Tensor:  # fmt: skip
+    """The TTT loss over `log_qs` (per step [B, T-1, V']) against kept targets ([B, T-1, k]:
+    one-hot hard labels are k = 1 with p = 1): per step the masked mean of the position loss,
+    -sum_k p_k log q(id_k) for ``soft_ce``; the LK losses read the targets as a distribution
+    over the draft vocabulary (`objectives.losses.distribution_loss_rows`, one definition)."""
+    step_losses = []
+    for step, log_q in enumerate(log_qs):
+        if loss.kind == "soft_ce":
+            rows = -(probs * log_q.gather(-1, ids)).sum(-1)
+        else:
+            rows = losses.distribution_loss_rows(
+                loss=loss.kind, draft_logits=log_q,
+                target_probs=dense_targets(ids, probs.to(log_q.dtype), log_q.shape[-1]),
+                kl_scale=loss.kl_scale, kl_decay=loss.kl_decay,
+            )  # fmt: skip
+        step_losses.append(losses.masked_mean(values=rows, mask=masks[step]))
     return losses.ttt_total_loss(step_losses=torch.stack(step_losses), decay=decay)
 
 
 def online_loss(
-    drafter: Drafter, batch: dict[str, Tensor], *, ttt_steps: int = 2, decay: float = 0.8
-) -> tuple[Tensor, int]:
-    """(loss, label count): TTT cross-entropy to the target's kept distribution when the batch
-    holds label rows (soft labels), else to the committed next tokens (module docstring)."""
-    return _loss_from_terms(*_step_terms(drafter, batch, ttt_steps), decay)
+    drafter: Drafter, batch: dict[str, Tensor], *, ttt_steps: int = 2, decay: float = 0.8,
+    loss: OnlineLoss = OnlineLoss(),
+) -> tuple[Tensor, int]:  # fmt: skip
+    """(loss, label count): the TTT loss (`loss`, cross-entropy by default) to the target's
+    kept distribution when the batch holds label rows (soft labels), else to the committed next
+    tokens (module docstring)."""
+    return _loss_from_terms(*_step_terms(drafter, batch, ttt_steps), decay, loss)
 
 
 def _loss_from_terms(
@@ -180,13 +222,14 @@ def _loss_from_terms(
     masks: Tensor,
     soft: tuple[Tensor, Tensor, Tensor] | None,
     decay: float,
+    loss: OnlineLoss = OnlineLoss(),
 ) -> tuple[Tensor, int]:
     """(loss, label count) from `_step_terms`: soft targets where the batch has them."""
     if soft is not None:
         ids, probs, soft_masks = soft
-        return _ttt_cross_entropy(log_qs, ids, probs, soft_masks, decay), int(soft_masks[0].sum())
+        return _ttt_loss(log_qs, ids, probs, soft_masks, decay, loss), int(soft_masks[0].sum())
     ones = torch.ones_like(labels, dtype=log_qs[0].dtype).unsqueeze(-1)
-    return _ttt_cross_entropy(log_qs, labels.unsqueeze(-1), ones, masks, decay), int(masks[0].sum())
+    return _ttt_loss(log_qs, labels.unsqueeze(-1), ones, masks, decay, loss), int(masks[0].sum())
 
 
 LABELS = ("soft", "hard")
@@ -217,6 +260,7 @@ def online_metrics(
     ttt_steps: int = 2,
     decay: float = 0.8,
     top_k: int = 1,
+    loss: OnlineLoss = OnlineLoss(),
 ) -> dict[str, float]:
     """The model's fit to a round, without an update: ``loss`` (as `online_loss`) and
     ``top1_k`` (share of labelled positions whose TTT step k argmax is the committed token;
@@ -226,7 +270,7 @@ def online_metrics(
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     log_qs, labels, masks, soft = _step_terms(drafter, batch, ttt_steps)
-    metrics = {"loss": float(_loss_from_terms(log_qs, labels, masks, soft, decay)[0])}
+    metrics = {"loss": float(_loss_from_terms(log_qs, labels, masks, soft, decay, loss)[0])}
     for step, log_q in enumerate(log_qs):
         for k in dict.fromkeys((1, top_k)):
             hits = topk_hits(log_q, labels, k)

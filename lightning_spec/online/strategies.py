@@ -51,6 +51,7 @@ from lightning_spec.decoding.engine import Generation
 from lightning_spec.models.drafters.base import Drafter
 from lightning_spec.objectives import losses
 from lightning_spec.online.losses import (
+    OnlineLoss,
     draft_vocab_miss,
     epoch_minibatches,
     feedback_batch,
@@ -139,6 +140,9 @@ class OGDStrategy:
     (true, false or ``auto``) runs the update's forward and backward under bf16 autocast
     (`bf16_autocast_wanted`). ``served_loss: false`` skips the diagnostic ``online_loss`` (a
     no-grad pass over the round before the update), which a learner charged to serving pays for.
+    ``loss`` is what each position minimises (`online.losses.ONLINE_LOSSES`): the reference's
+    cross-entropy to the target's kept distribution, or an LK loss on the acceptance rate
+    (``lk_alpha``; ``lk_lambda`` with ``lk_kl_scale`` and ``lk_kl_decay``).
     """
 
     name = "ogd"
@@ -164,7 +168,11 @@ class OGDStrategy:
         protected_ids: Sequence[int] = (),
         autocast: bool | str = False,
         served_loss: bool = True,
+        loss: str = "soft_ce",
+        lk_kl_scale: float = 1.0,
+        lk_kl_decay: float = 3.0,
     ) -> None:
+        self.loss = OnlineLoss(loss, kl_scale=lk_kl_scale, kl_decay=lk_kl_decay)
         self.label_top_k = kept_label_rows(labels, label_top_k)
         self.bf16 = bf16_autocast_wanted(autocast)
         self.served_loss = bool(served_loss)
@@ -207,7 +215,7 @@ class OGDStrategy:
         if self.epochs > 0:
             # before any swap; a learner in series skips this diagnostic (its seconds are real)
             served = timed_served_loss(self.drafter, batch if self.served_loss else None,
-                                       self.ttt_steps)  # fmt: skip
+                                       self.ttt_steps, self.loss)  # fmt: skip
             swapped = self._grow(generations)
             return self._epochs(served, tic, miss, swapped)
         self._grow(generations)
@@ -217,7 +225,7 @@ class OGDStrategy:
         for step in range(self.steps_per_round):
             total = torch.zeros(())
             for held in self.buffer:
-                loss, count = online_loss(self.drafter, held, ttt_steps=self.ttt_steps)
+                loss, count = online_loss(self.drafter, held, ttt_steps=self.ttt_steps, loss=self.loss)
                 total = total + loss / len(self.buffer)
                 if step == 0 and held is batch:
                     served_loss, labels = float(loss.detach()), count
@@ -264,7 +272,7 @@ class OGDStrategy:
         steps, trained = 0, 0.0
         for part in epoch_minibatches(self.buffer, self.epochs, self.minibatch, self._shuffle):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
-                loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps)
+                loss, count = online_loss(self.drafter, part, ttt_steps=self.ttt_steps, loss=self.loss)
             if count == 0 or not torch.isfinite(loss):
                 continue  # no label here, or a non-finite part: it changes nothing
             self._apply(loss)
@@ -310,8 +318,9 @@ def bf16_autocast_wanted(autocast: bool | str) -> bool:
 
 
 def timed_served_loss(
-    drafter: Drafter, batch: dict[str, Tensor] | None, ttt_steps: int
-) -> tuple[float, int, float]:
+    drafter: Drafter, batch: dict[str, Tensor] | None, ttt_steps: int,
+    loss: OnlineLoss = OnlineLoss(),
+) -> tuple[float, int, float]:  # fmt: skip
     """(loss, labels, seconds) of the drafter as it served `batch` (NaN, 0, 0 without one).
 
     The served loss is a diagnostic (the quantity dynamic regret is measured on), not learning:
@@ -321,8 +330,8 @@ def timed_served_loss(
         return float("nan"), 0, 0.0
     tic = time.perf_counter()
     with torch.no_grad():
-        loss, labels = online_loss(drafter, batch, ttt_steps=ttt_steps)
-    return float(loss), labels, time.perf_counter() - tic
+        value, labels = online_loss(drafter, batch, ttt_steps=ttt_steps, loss=loss)
+    return float(value), labels, time.perf_counter() - tic
 
 
 def _trainable(drafter: Drafter) -> list[Tensor]:

@@ -676,3 +676,47 @@ def test_ogd_under_bf16_autocast_learns_and_keeps_fp32_weights(target: TargetMod
     assert bf16_autocast_wanted(False) is False and isinstance(bf16_autocast_wanted("auto"), bool)
     with pytest.raises(ValueError, match="autocast"):
         make_strategy("ogd", drafter, autocast="bf16")
+
+
+def test_online_lk_losses_against_closed_forms() -> None:
+    """Hand-made log-probs and kept targets: the LK terms of the online loss, by hand."""
+    from lightning_spec.online.losses import OnlineLoss, _ttt_loss, dense_targets
+
+    q = torch.tensor([[[0.5, 0.3, 0.2, 0.0]]]).clamp_min(1e-12)  # [B=1, T=1, V'=4]
+    log_q = torch.log(q / q.sum(-1, keepdim=True))
+    ids = torch.tensor([[[1, 2, 0]]])  # kept rows: p(1) = 0.6, p(2) = 0.4, a padded slot
+    probs = torch.tensor([[[0.6, 0.4, 0.0]]])
+    dense = dense_targets(ids, probs, 4)
+    torch.testing.assert_close(dense, torch.tensor([[[0.0, 0.6, 0.4, 0.0]]]))
+    masks = torch.ones(1, 1, 1)
+    alpha = min(0.6, 0.3) + min(0.4, 0.2)  # sum_v min(p, q)
+    lk = _ttt_loss([log_q], ids, probs, masks, 0.8, OnlineLoss("lk_alpha"))
+    assert float(lk) == pytest.approx(-math.log(alpha), rel=1e-5)
+    ce = _ttt_loss([log_q], ids, probs, masks, 0.8)
+    assert float(ce) == pytest.approx(-(0.6 * math.log(0.3) + 0.4 * math.log(0.2)), rel=1e-5)
+    kl = 0.6 * math.log(0.6 / 0.3) + 0.4 * math.log(0.4 / 0.2)
+    weight = math.exp(-3.0 * alpha)
+    blend = _ttt_loss([log_q], ids, probs, masks, 0.8, OnlineLoss("lk_lambda"))
+    assert float(blend) == pytest.approx(weight * kl + (1 - weight) * (1 - alpha), rel=1e-5)
+    # a one-hot target: -log alpha is the cross-entropy of the label
+    hard = _ttt_loss([log_q], ids[..., :1], torch.ones(1, 1, 1), masks, 0.8, OnlineLoss("lk_alpha"))
+    assert float(hard) == pytest.approx(-math.log(0.3), rel=1e-5)
+    with pytest.raises(ValueError, match="online loss"):
+        OnlineLoss("tv")
+
+
+@pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
+def test_ogd_with_an_lk_loss_lowers_it_on_the_round(target: TargetModel, loss: str) -> None:
+    drafter = HELPERS._drafter(target)
+    decoder = SpeculativeDecoder(
+        target, drafter, parse_tree_spec(POLICY), keep_features=True, keep_labels=8
+    )
+    generations = [decoder.generate(r.prompt, 16, stop_on_eos=False) for r in _requests(3)]
+    ogd = make_strategy("ogd", drafter, lr=3e-3, epochs=3, minibatch=1, loss=loss)
+    first, second = ogd.update(generations), ogd.update(generations)
+    assert math.isfinite(first["online_loss"]) and second["online_loss"] < first["online_loss"]
+    # the served loss it reports is the LK loss, not the cross-entropy
+    soft = make_strategy("ogd", drafter, lr=3e-3, epochs=3, minibatch=1).update(generations)
+    assert soft["online_loss"] != pytest.approx(first["online_loss"])
+    with pytest.raises(ValueError, match="online loss"):
+        make_strategy("ogd", drafter, loss="lk")

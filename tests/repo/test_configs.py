@@ -419,7 +419,7 @@ def test_online_configs_load(tiny_cli_assets: dict[str, str], tmp_path: Path) ->
     from lightning_spec.tracking import default_tracking_uri
 
     assert [p.name for p in ONLINE_CONFIGS] == [
-        "ogd_mixed_cpu.yaml", "ogd_shift_cpu.yaml", "ogd_warm_cpu.yaml",
+        "ogd_mixed_cpu.yaml", "ogd_shift_cpu.yaml", "ogd_warm_cpu.yaml", "replay_lk_loss.yaml",
         "serve_cpu_tree.yaml", "serve_hydra_optimistic.yaml", "serve_learn_schedule.yaml",
         "serve_live_check.yaml",
         "serve_strong_warm_start.yaml", "serve_update_beside.yaml", "vllm_broad_traffic.yaml",
