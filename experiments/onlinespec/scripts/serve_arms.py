@@ -6,7 +6,9 @@ resumes each arm where its load output ends, and a learning arm's learner from i
 Arms: ``frozen`` (the drafter as trained), ``learn=CONFIG`` (the same drafter learning behind the
 server from a `serve --learn` config; with ``--in-series`` the client waits for each round's
 update, the learner charged to serving), ``ngram`` (vLLM's drafter-free n-gram proposer),
-``plain`` (no speculation: the target's own greedy answers under vLLM).
+``plain`` (no speculation: the target's own greedy answers under vLLM), ``capture`` (frozen
+with the plugin capturing every request into a spool that nothing reads: what capture alone
+costs serving; ~6 MB a request on disk, so run it on a prefix with ``--limit``).
 
     python experiments/onlinespec/scripts/serve_arms.py --drafter D --stream S.jsonl \\
         --limit 1200 --concurrency 1 --out ~/.cache/lightning-spec/serve_arms/c1 \\
@@ -41,6 +43,8 @@ def start(arm: str, args: argparse.Namespace, out: Path) -> subprocess.Popen:
         command += ["--method", "plain"]
     elif name == "learn":
         command += ["--learn", config]
+    elif name == "capture":
+        command += ["--spool", str(out / "spool")]
     log = open(out / "serve.log", "a")
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
