@@ -14,6 +14,11 @@ the shards already written.
 ``--concurrency N`` requests at a time on each (`data.regenerate_served`). They set the data
 module's ``regenerate_with`` and ``regenerate_concurrency``, which do not change the store, so a
 later `fit` without them finds it complete.
+
+``--features-from-spool DIR`` takes the regenerated records' target features from the captures
+that `lightning-spec serve --engine vllm --spool DIR` kept while answering them, instead of a
+second target pass (`data.spool_features`; the config must give ``feature_cache_bytes``);
+records no capture covers are cached by the target pass as before.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 __all__ = ["engine_overrides", "main"]
 
@@ -30,6 +36,7 @@ log = logging.getLogger(__name__)
 
 USAGE = """usage: lightning-spec prepare --config FILE.yaml [--data.init_args.X=... ...]
                               [--regenerate-with URL[,URL...] [--concurrency N]]
+                              [--features-from-spool DIR]
 
 Build the data a `lightning-spec fit` with the same arguments would train on (render the
 dataset, regenerate answers, cache features), print what it holds, and stop without training.
@@ -37,32 +44,46 @@ dataset, regenerate answers, cache features), print what it holds, and stop with
   --regenerate-with URL[,URL...]  regenerate through these OpenAI-compatible servers (vllm
                                   serve, llama-server, lightning-spec serve --engine vllm)
                                   instead of the target's batched generate here
-  --concurrency N                 requests in flight on each server (default 8)"""
+  --concurrency N                 requests in flight on each server (default 8)
+  --features-from-spool DIR       the regenerated records' features from the captures of
+                                  lightning-spec serve --engine vllm --spool DIR (no second
+                                  target pass; needs feature_cache_bytes > 0)"""
 
 
 def engine_overrides(args: Sequence[str]) -> list[str]:
-    """`args` with ``--regenerate-with`` and ``--concurrency`` turned into the data module's
-    overrides (``--data.init_args.regenerate_with=...``, appended last so they win over the
-    configs); a malformed URL raises ValueError here, before anything is built."""
-    from lightning_spec.data.regenerate_served import parse_server_urls
+    """`args` with ``--regenerate-with``, ``--concurrency`` and ``--features-from-spool`` turned
+    into the data module's overrides (``--data.init_args.regenerate_with=...``, appended last so
+    they win over the configs); a malformed URL or a missing spool folder raises ValueError
+    here, before anything is built."""
+    from lightning_spec.data.served_protocol import parse_server_urls
 
     parser = argparse.ArgumentParser(prog="lightning-spec prepare", add_help=False,
                                      allow_abbrev=False)  # fmt: skip
     parser.add_argument("--regenerate-with", default=None)
     parser.add_argument("--concurrency", type=int, default=None)
+    parser.add_argument("--features-from-spool", default=None)
     known, rest = parser.parse_known_args(list(args))
+    overrides: list[str] = []
     if known.regenerate_with is None:
         if known.concurrency is not None:
             raise ValueError("--concurrency applies to --regenerate-with URL[,URL...]")
-        return rest
-    urls = parse_server_urls(known.regenerate_with)
-    if not urls:
-        raise ValueError("--regenerate-with needs at least one URL (http://HOST:PORT)")
-    overrides = [f"--data.init_args.regenerate_with={','.join(urls)}"]
-    if known.concurrency is not None:
-        if known.concurrency < 1:
-            raise ValueError("--concurrency must be >= 1")
-        overrides.append(f"--data.init_args.regenerate_concurrency={known.concurrency}")
+    else:
+        urls = parse_server_urls(known.regenerate_with)
+        if not urls:
+            raise ValueError("--regenerate-with needs at least one URL (http://HOST:PORT)")
+        overrides.append(f"--data.init_args.regenerate_with={','.join(urls)}")
+        if known.concurrency is not None:
+            if known.concurrency < 1:
+                raise ValueError("--concurrency must be >= 1")
+            overrides.append(f"--data.init_args.regenerate_concurrency={known.concurrency}")
+    if known.features_from_spool is not None:
+        spool = Path(known.features_from_spool).expanduser()
+        if not spool.is_dir():
+            raise ValueError(
+                f"--features-from-spool: no folder {spool} (give the --spool DIR of the "
+                "lightning-spec serve --engine vllm server that answered the regeneration)"
+            )
+        overrides.append(f"--data.init_args.features_from_spool={spool.resolve()}")
     return [*rest, *overrides]
 
 

@@ -9,7 +9,9 @@ Modes (docs/training.md, data modes):
 * ``regenerated``: the target's own answers to the dataset prompts (first user turn),
   regenerated once with batched ``generate``, or through the servers that serve the target
   (``regenerate_with``, every user turn with ``regenerate_turns: all``), and cached as token
-  shards; optional cached features (``feature_cache_bytes``).
+  shards; optional cached features (``feature_cache_bytes``; those of answers served by
+  `lightning-spec serve --engine vllm --spool DIR` can come from its captures,
+  ``features_from_spool``).
 * ``mixture``: each training conversation is served once per epoch, as its regenerated
   version with probability ``regenerated_fraction`` (drawn per epoch from the seed) and as
   the dataset version otherwise, so the data budget equals the other modes'.
@@ -148,6 +150,10 @@ class RolloutDataModule(pl.LightningDataModule):
         regenerate_concurrency: With ``regenerate_with``: requests in flight on each server.
         regenerate_turns: ``first`` (the opening user turn) or ``all`` (every user turn, each
             answered against the target's own earlier replies; needs ``regenerate_with``).
+        features_from_spool: The ``--spool DIR`` of the ``lightning-spec serve --engine vllm``
+            server that answered the regeneration: the regenerated records' features come from
+            its captures instead of a target pass (`data.spool_features`; needs
+            ``feature_cache_bytes`` > 0); records no capture covers are cached as before.
     """
 
     def __init__(
@@ -186,6 +192,7 @@ class RolloutDataModule(pl.LightningDataModule):
         regenerate_with: str | list[str] | None = None,
         regenerate_concurrency: int = 8,
         regenerate_turns: str = "first",
+        features_from_spool: str | None = None,
     ) -> None:
         super().__init__()
         from lightning_spec.data.chat import TEXT_FORMATS
@@ -214,7 +221,7 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError("max_length must be > 1 and batch_size > 0")
         if max_conversations is not None and max_conversations <= 0:
             raise ValueError("max_conversations must be positive (or None for all)")
-        from lightning_spec.data.regenerate_served import parse_server_urls
+        from lightning_spec.data.served_protocol import parse_server_urls
 
         servers = tuple(parse_server_urls(regenerate_with))  # a mistyped URL fails here
         if regenerate_concurrency < 1:
@@ -226,6 +233,16 @@ class RolloutDataModule(pl.LightningDataModule):
                 "regenerate_turns: all needs regenerate_with (servers): the batched generate "
                 "loop answers the first user turn only"
             )
+        if features_from_spool is not None:
+            if feature_cache_bytes <= 0:
+                raise ValueError(
+                    "features_from_spool fills the feature cache: set feature_cache_bytes > 0"
+                )
+            if mode not in ("regenerated", "mixture"):
+                raise ValueError(
+                    "features_from_spool gives regenerated records their features: it needs "
+                    f"mode regenerated or mixture, not {mode!r}"
+                )
         self.save_hyperparameters()
         self.target = target
         self.dataset = dataset
@@ -260,6 +277,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.regenerate_with = servers
         self.regenerate_concurrency = regenerate_concurrency
         self.regenerate_turns = regenerate_turns
+        self.features_from_spool = features_from_spool
         self.rollouts = OnPolicyRollouts(rollouts, lambda: self.target_model)
         self._tokenizer: Any = None
         self._target_model: Any = None
@@ -396,6 +414,7 @@ class RolloutDataModule(pl.LightningDataModule):
                     progress=self.progress, regenerate_with=self.regenerate_with,
                     regenerate_concurrency=self.regenerate_concurrency,
                     regenerate_turns=self.regenerate_turns,
+                    features_from_spool=self.features_from_spool,
                 ),
                 tokenizer=lambda: self.tokenizer,
                 target_model=lambda: self.target_model,
@@ -415,7 +434,8 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.stores.store(kind)
 
     def prepare_data(self) -> None:
-        """Render the dataset and, on a single process, regenerate and cache features.
+        """Render the dataset and, on a single process, regenerate and cache features
+        (those a spool holds first).
 
         Lightning calls this on one process per node; under DDP the regeneration is shared by
         all ranks in :meth:`setup` instead (rank r takes prompts i % world_size == r).
@@ -424,7 +444,7 @@ class RolloutDataModule(pl.LightningDataModule):
         stores = self.stores
         if self.regenerate_with and "regenerated" in self._kinds():
             if not stores.is_complete("regenerated"):  # a silent server stops us before any work
-                from lightning_spec.data.regenerate_served import check_servers
+                from lightning_spec.data.served_protocol import check_servers
 
                 check_servers(self.regenerate_with)
         stores.repair(self._kinds())
@@ -434,6 +454,8 @@ class RolloutDataModule(pl.LightningDataModule):
             if not stores.is_complete("regenerated"):
                 stores.regenerate(0, 1)
                 stores.mark_regenerated()
+        if self.features_from_spool and world_size == 1:  # before the target pass: it skips them
+            stores.features_from_spool()
         if self.feature_cache_bytes > 0 and world_size == 1:
             self._cache_features()
 
@@ -456,6 +478,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 self._on_every_rank("regenerating", lambda: stores.regenerate(rank, world_size))
                 self._on_every_rank("marking the regeneration complete",
                                     lambda: rank == 0 and stores.mark_regenerated())  # fmt: skip
+            if self.features_from_spool:  # one process reads the spool, before the shared caching
+                self._on_every_rank("taking features from the spool",
+                                    lambda: rank == 0 and stores.features_from_spool())  # fmt: skip
             if self.feature_cache_bytes > 0:
                 # shared: every rank claims feature shards of its own (`data.claims`)
                 self._on_every_rank("caching features", self._cache_features)

@@ -9,7 +9,8 @@ shared between processes through the store's claims (`data.claims`):
   serve it (``regenerate_with``, `data.regenerate_served`; every user turn with
   ``regenerate_turns="all"``);
 * **cache features**: the target's features, final hidden states and argmax beside the token
-  shards, up to a byte cap;
+  shards, up to a byte cap (those of regenerated records first from the spool of the server that
+  answered them, ``features_from_spool``: `data.spool_features`);
 * **adopt**: stores made before the content-keyed folder names are rekeyed, not recomputed;
 * **read**: the records this run selected (the first ``max_conversations`` of the source), with
   their cached tensors.
@@ -65,6 +66,9 @@ class StoreSettings:
     regenerate_concurrency: int = 8
     regenerate_turns: str = "first"
     """``first``: answer the opening user turn; ``all``: every user turn (servers only)."""
+    features_from_spool: str | None = None
+    """The spool of the server that answered the regeneration: features from its captures
+    (`data.spool_features`) before the caching pass."""
 
 
 class DataStores:
@@ -404,6 +408,27 @@ class DataStores:
 
     def mark_regenerated(self) -> None:
         self.store("regenerated").mark_complete(self._complete_key())
+
+    def features_from_spool(self) -> Any:
+        """The regenerated records' features from the captures in ``features_from_spool``
+        (`data.spool_features`; its report, None without a spool): the caching pass after it
+        runs the target only on the records no capture covers. One process runs it."""
+        from lightning_spec.data.regenerate import feature_config
+        from lightning_spec.data.spool_features import features_from_spool
+
+        settings = self.settings
+        if not settings.features_from_spool:
+            return None
+        target = self._target_on_device()  # its LM head gives the argmax
+        return features_from_spool(
+            self.store("regenerated"),
+            settings.features_from_spool,
+            target,
+            feature_config=feature_config(target, self.feature_target_id),
+            cap_bytes=settings.feature_cache_bytes,
+            max_length=settings.max_length,
+            select=self.selected,
+        )
 
     def cache_features(self, kinds: list[str]) -> None:
         """The target's features, final hidden states and argmax beside the shards of `kinds`,

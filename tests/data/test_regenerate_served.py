@@ -29,12 +29,12 @@ import torch
 
 from lightning_spec.data.chat import render_prompt
 from lightning_spec.data.regenerate import GenerationSettings, PromptItem, regenerate
-from lightning_spec.data.regenerate_served import (
+from lightning_spec.data.regenerate_served import regenerate_served
+from lightning_spec.data.served_protocol import (
     GarbageReply,
     ServerUnavailable,
     parse_reply,
     parse_server_urls,
-    regenerate_served,
 )
 from lightning_spec.data.rollouts import RolloutStore
 
