@@ -22,7 +22,7 @@ the round's requests when arms are compared.
 each arm's prequential acceptance length and tokens per second (the requests' own seconds plus
 their share of the learner waits) against BASE's, with 95% bootstrap intervals over requests,
 and how many replies differ from BASE's token for token (at T = 0 every lossless arm gives the
-same text).
+same text); ``--slices N`` adds the same for each run of N consecutive requests.
 
     lightning-spec online --config CONFIG --dump-stream runs/streams/domain.jsonl
     lightning-spec bench load --url http://127.0.0.1:8000 --stream runs/streams/domain.jsonl \\
@@ -141,7 +141,7 @@ def _get_json(url: str, timeout: float = 60.0) -> Any:
 
 
 def wait_for_learner(url: str, rounds: int, *, timeout: float = 1800.0,
-                     poll: float = 1.0) -> tuple[float, int, bool]:  # fmt: skip
+                     poll: float = 0.25) -> tuple[float, int, bool]:  # fmt: skip
     """Block until the server's learner has finished `rounds` rounds (``learner_rounds`` of
     ``/lightning-spec/learner``, which does not call the engine: polling the engine would keep
     vLLM's CPU worker spinning on a core the learner needs); (seconds waited, rounds seen,
@@ -226,12 +226,13 @@ def request_seconds(
 
 
 def compare(
-    base: str | Path, arms: Sequence[str | Path], *, resamples: int = 2000
-) -> dict[str, Any]:
+    base: str | Path, arms: Sequence[str | Path], *, resamples: int = 2000,
+    slice_size: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Each arm against `base`, paired over the requests all of them answered (module
-    docstring): acceptance length and tokens/s ratios with 95% bootstrap intervals."""
-    from lightning_spec.stats import bootstrap_ci, ratio_of_sums_of
-
+    docstring): acceptance length and tokens/s ratios with 95% bootstrap intervals. With
+    `slice_size`, the same for each run of that many consecutive shared requests too
+    (``slices``): whether a learning arm's gain grows, holds or fades along the stream."""
     outputs = [Path(base), *map(Path, arms)]
     rows = [{r["index"]: r for r in read_rows(p) if r.get("ok")} for p in outputs]
     shared = sorted(set.intersection(*(set(r) for r in rows)))
@@ -241,6 +242,25 @@ def compare(
         request_seconds(list(kept.values()), read_rows(waits_path(path)))
         for path, kept in zip(outputs, rows, strict=True)
     ]
+    report: dict[str, Any] = {"requests": len(shared), "base": str(outputs[0]),
+                              "arms": _paired(outputs, rows, timing, shared, resamples)}  # fmt: skip
+    if slice_size:
+        if slice_size < 1:
+            raise ValueError(f"slice_size must be >= 1, got {slice_size}")
+        report["slices"] = [
+            {"first": part[0], "last": part[-1], "requests": len(part),
+             "arms": _paired(outputs, rows, timing, part, resamples)}
+            for part in (shared[i : i + slice_size] for i in range(0, len(shared), slice_size))
+        ]  # fmt: skip
+    return report
+
+
+def _paired(
+    outputs: Sequence[Path], rows: Sequence[dict[int, dict[str, Any]]],
+    timing: Sequence[dict[int, float]], shared: Sequence[int], resamples: int,
+) -> dict[str, Any]:  # fmt: skip
+    """`compare`'s entry of each arm (outputs[1:]) against outputs[0] over the `shared` ids."""
+    from lightning_spec.stats import bootstrap_ci, ratio_of_sums_of
 
     def columns(k: int) -> dict[str, list[float]]:
         return {
@@ -254,7 +274,7 @@ def compare(
         return ratio_of_sums_of(a, b) / ratio_of_sums_of(c, d) - 1.0
 
     reference = columns(0)
-    report: dict[str, Any] = {"requests": len(shared), "base": str(outputs[0]), "arms": {}}
+    entries: dict[str, Any] = {}
     for k, path in enumerate(outputs[1:], 1):
         arm = columns(k)
         pairs = {
@@ -273,8 +293,8 @@ def compare(
             entry[f"{name}_change"] = entry[name] / entry[f"{name}_base"] - 1.0
             entry[f"{name}_change_ci"] = bootstrap_ci((a, b, c, d), relative, resamples=resamples)
         entry["seconds"], entry["seconds_base"] = sum(arm["seconds"]), sum(reference["seconds"])
-        report["arms"][str(path)] = entry
-    return report
+        entries[str(path)] = entry
+    return entries
 
 
 def summarise(rows: Sequence[dict[str, Any]], wall_seconds: float | None = None) -> dict[str, Any]:
@@ -308,12 +328,14 @@ def main(argv: list[str] | None = None) -> int:
                         "the round (the learner charged to serving)")  # fmt: skip
     parser.add_argument("--compare", nargs="+", metavar="OUTPUT",
                         help="pair outputs: BASE ARM [ARM ...] (no requests sent)")  # fmt: skip
+    parser.add_argument("--slices", type=int, default=None, metavar="N",
+                        help="with --compare: also each run of N consecutive shared requests")  # fmt: skip
     args = parser.parse_args(argv)
     if args.compare:
         if len(args.compare) < 2:
             parser.error("--compare needs a base output and at least one arm")
         try:
-            report = compare(args.compare[0], args.compare[1:])
+            report = compare(args.compare[0], args.compare[1:], slice_size=args.slices)
         except (OSError, ValueError, KeyError) as error:
             parser.error(f"--compare: {error}")
         text = json.dumps(report, indent=1)

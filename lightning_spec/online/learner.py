@@ -43,7 +43,7 @@ import torch
 
 from lightning_spec.decoding.build import TreePolicy
 from lightning_spec.decoding.replay import ReplayMismatch, committed_feedback
-from lightning_spec.io import atomic_folder, atomic_path, sha256_file
+from lightning_spec.io import atomic_folder, atomic_path, atomic_write_json, sha256_file
 from lightning_spec.online.engines import PushFailed
 from lightning_spec.online.loop import guarded_update, replay_captured, replay_request
 from lightning_spec.online.spool import SpoolEntry, SpoolReader
@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 CHECKPOINT = "learner.pt"
+ROUND_STATE = "learner_round.json"
 ROUNDS = "rounds.jsonl"
 Push = Callable[[Path, str], dict[str, Any]]
 
@@ -72,7 +73,9 @@ class LearnerSettings:
     rollback_margin: float = 0.1
     """A pushed drafter whose next round's served tau is this much (relative) below the round
     before the push is rolled back."""
-    poll_seconds: float = 1.0
+    poll_seconds: float = 0.25
+    """How often the spool is listed for a full round (a directory listing: cheap; a client
+    that waits for the learner waits up to this long for nothing)."""
     keep_drafters: int = 3
     keep_learned: bool = False
     """Keep the spool files learned from (in ``spool/done/``) instead of deleting them."""
@@ -250,7 +253,8 @@ def run_learner(
             row["schedule"] = decision
             _learn(target, strategy, policy, served, entries, push, out, index, state, row)
         state.update(round=index, served_state=served.state_dict(), schedule=schedule.state_dict())
-        _checkpoint(out, strategy, state, [e.path.name for e in entries])
+        changed = "schedule" in row or "rollback" in row  # an update or a rollback ran
+        _checkpoint(out, strategy, state, [e.path.name for e in entries], full=changed)
         reader.done(entries, keep=settings.keep_learned)
         _prune(out, settings.keep_drafters, state)
         rows.append(row)
@@ -329,10 +333,20 @@ def _publish(
 
 
 def _checkpoint(
-    out: Path, strategy: OnlineStrategy, state: dict[str, Any], learned: list[str]
-) -> None:
-    with atomic_path(out / CHECKPOINT) as tmp:
-        torch.save({**state, "strategy": strategy.state_dict(), "learned": learned}, tmp)
+    out: Path, strategy: OnlineStrategy, state: dict[str, Any], learned: list[str],
+    *, full: bool = True,
+) -> None:  # fmt: skip
+    """The round's light state (`ROUND_STATE`: round, schedule, push verdict, the files taken)
+    every round; the whole state (`CHECKPOINT`: the strategy, the served drafter and the one
+    before it) only when `full`, after a round that changed them (an update, a rollback). A
+    SmolLM2 drafter's whole state with its AdamW moments is ~600 MB: written after every
+    skipped round, it cost a learner charged to serving ~3 s a round for nothing new."""
+    if full:
+        with atomic_path(out / CHECKPOINT) as tmp:
+            torch.save({**state, "strategy": strategy.state_dict(), "learned": learned}, tmp)
+    light = {"round": state["round"], "schedule": state.get("schedule"),
+             "tau_before_push": state.get("tau_before_push"), "learned": learned}  # fmt: skip
+    atomic_write_json(out / ROUND_STATE, light)
 
 
 def _push_served(push: Push, state: dict[str, Any]) -> None:
@@ -351,11 +365,19 @@ def _resume(out: Path, strategy: OnlineStrategy, reader: SpoolReader, keep: bool
     state: dict[str, Any] = {"round": -1, "served_folder": None, "served_state": None,
                              "previous": None, "tau_before_push": None}  # fmt: skip
     path = out / CHECKPOINT
-    if not path.is_file():
-        return state
-    saved = torch.load(path, map_location="cpu", weights_only=False)
-    strategy.load_state_dict(saved.pop("strategy"))
+    saved = torch.load(path, map_location="cpu", weights_only=False) if path.is_file() else {}
+    if saved:
+        strategy.load_state_dict(saved.pop("strategy"))
     learned = set(saved.pop("learned", []))
+    light_path = out / ROUND_STATE
+    light = json.loads(light_path.read_text()) if light_path.is_file() else None
+    if light is not None and light["round"] > saved.get("round", state["round"]):
+        # rounds after the last whole checkpoint were skipped: they changed only this
+        learned = set(light["learned"])
+        saved.update(round=light["round"], schedule=light["schedule"],
+                     tau_before_push=light["tau_before_push"])  # fmt: skip
+    if not saved:
+        return state
     # killed between the checkpoint and marking its files done: mark them now
     reader.done([SpoolEntry(p, None) for p in reader.pending() if p.name in learned], keep=keep)
     if saved.get("schedule"):

@@ -126,7 +126,9 @@ class SpoolReader:
             if limit is not None and len(entries) >= limit:
                 break
             try:
-                data = torch.load(path, map_location="cpu", weights_only=True)
+                # mapped, not read: a round the schedule skips needs only the counts, and a
+                # round's 40 files of features are ~250 MB (the mapping outlives a move)
+                data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
                 entries.append(SpoolEntry(path, CapturedRequest(**data)))
             except Exception as error:  # noqa: BLE001 - a bad file is set aside, not fatal
                 log.warning("spool %s: %s is unreadable (%r); moved to bad/", self.folder,

@@ -183,6 +183,16 @@ def test_arms_are_paired_over_requests_with_the_learner_waits_charged(tmp_path: 
     assert entry["tokens_per_s_change"] == pytest.approx((16 / 3) / (16 / 4) - 1)
     low, high = entry["acceptance_change_ci"]
     assert low == pytest.approx(high) == pytest.approx(2.0 / 1.5 - 1)  # every request alike
+    # slices of 2: the first pair carries the whole learner wait, the second none
+    sliced = compare(base, [arm], resamples=200, slice_size=2)
+    whole = sliced["arms"][str(arm)]
+    assert whole["acceptance_change"] == entry["acceptance_change"]
+    first, second = (part["arms"][str(arm)] for part in sliced["slices"])
+    spans = [(p["first"], p["last"], p["requests"]) for p in sliced["slices"]]
+    assert spans == [(0, 1, 2), (2, 3, 2)]
+    assert first["tokens_per_s_change"] == pytest.approx((8 / 2) / (8 / 2) - 1)
+    assert second["tokens_per_s_change"] == pytest.approx((8 / 1) / (8 / 2) - 1)
+    assert first["differing_replies"] == 0 and second["differing_replies"] == 1
 
 
 def test_an_online_configs_stream_dumped_is_what_the_client_sends(tmp_path: Path) -> None:

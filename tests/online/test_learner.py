@@ -211,3 +211,30 @@ def test_a_scheduled_learner_skips_rounds_but_acknowledges_them(
     rows = run_learner(target, strategy, POLICY, SpoolReader(tmp_path / "spool"), server, settings)
     assert [r["learned"] for r in rows] == [2, 2, 0, 2]  # rounds 0, 1, then a gap of 2
     assert len(server.pushed) == 3 and SpoolReader(tmp_path / "spool").pending() == []
+
+
+def test_a_skipped_round_writes_only_the_light_state_and_a_restart_resumes_after_it(
+    target: TargetModel, tmp_path: Path
+) -> None:
+    import json
+
+    writer = SpoolWriter(tmp_path / "spool")
+    for i in range(8):
+        writer.put(_captured(target, i, [1, 1]))
+    settings = LearnerSettings(tmp_path / "learner", round_size=2, max_rounds=3, poll_seconds=0,
+                               update_growth=2.0, max_gap=4)  # fmt: skip
+    first = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    rows = run_learner(target, first, POLICY, SpoolReader(tmp_path / "spool"), _Server(), settings)
+    assert [r["learned"] for r in rows] == [2, 2, 0]  # round 2 skipped
+    whole = torch.load(tmp_path / "learner" / "learner.pt", weights_only=False)
+    light = json.loads((tmp_path / "learner" / "learner_round.json").read_text())
+    assert whole["round"] == 1 and light["round"] == 2  # the skip rewrote only the light state
+    assert len(light["learned"]) == 2
+    again = make_strategy("ogd", HELPERS._drafter(target), lr=3e-3, steps_per_round=2)
+    settings.max_rounds = 1
+    rows = run_learner(target, again, POLICY, SpoolReader(tmp_path / "spool"), _Server(), settings)
+    # resumed after round 2 with its schedule: round 3 learns, as the uninterrupted run does
+    assert [(r["round"], r["learned"]) for r in rows] == [(3, 2)]
+    assert SpoolReader(tmp_path / "spool").pending() == []
+    for key, value in first.drafter.state_dict().items():  # round 1's strategy state, resumed
+        assert value.shape == again.drafter.state_dict()[key].shape
