@@ -30,13 +30,13 @@ import torch
 from lightning_spec.data.chat import render_prompt
 from lightning_spec.data.regenerate import GenerationSettings, PromptItem, regenerate
 from lightning_spec.data.regenerate_served import regenerate_served
+from lightning_spec.data.rollouts import RolloutStore
 from lightning_spec.data.served_protocol import (
     GarbageReply,
     ServerUnavailable,
     parse_reply,
     parse_server_urls,
 )
-from lightning_spec.data.rollouts import RolloutStore
 
 CONFIG = {"kind": "regenerated", "target": "fake", "max_length": 16}
 EOS = 2  # <|im_end|> in tests/data/conftest.py's vocabulary (ids 8..27 are plain words)
